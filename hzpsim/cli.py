@@ -1,0 +1,153 @@
+"""The ``hzpsim`` command.
+
+    hzpsim run                        # the built-in default scenario, every strategy side by side
+    hzpsim run scenario.yaml --json   # one JSON object (DESIGN §5) per strategy
+    hzpsim run --set model=llama3-8b --set cluster.num_nodes=2
+    hzpsim compare scenario.yaml      # every entry of the scenario's `strategies:` list
+    hzpsim list                       # devices, cluster presets, workloads, strategies
+
+Exit codes: 0 ok; 2 invalid input (one line naming what and where); 1 internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from hzpsim import __version__, strategies
+from hzpsim.cluster.devices import DEVICES
+from hzpsim.config import ScenarioError
+from hzpsim.ops import GraphError
+from hzpsim.presets import list_presets
+from hzpsim.report import build_report, to_json
+from hzpsim.scenario import Scenario, StrategyChoice, load_scenario
+from hzpsim.sim.engine import simulate
+
+
+def run_choice(scenario: Scenario, choice: StrategyChoice, expand: bool = False) -> dict[str, Any]:
+    """Build, simulate and report one strategy of a scenario."""
+    topology = scenario.topology
+    plugin = strategies.get(choice.name)
+    graph = plugin.build(choice.config, scenario.model, scenario.training, topology, expand=expand)
+    trace = simulate(graph, topology)
+    return build_report(trace, scenario.model, scenario.training, choice.resolved())
+
+
+def _label(resolved: dict[str, Any]) -> str:
+    name = resolved["name"]
+    fields = {k: v for k, v in resolved.items() if k != "name"}
+    short = ",".join(f"{k}={v}" for k, v in fields.items() if k in ("stage", "tp", "pp", "dp", "cp", "ep"))
+    return f"{name}({short})" if short else name
+
+
+def format_table(reports: Sequence[dict[str, Any]]) -> str:
+    header = (
+        f"{'strategy':<20} {'step s':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
+        f"{'peak GiB':>9} {'fits':>5} {'exposed s':>9} {'overlap':>7} {'inter-node GB':>13}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in reports:
+        overlap = "-" if r["overlap_fraction"] is None else f"{r['overlap_fraction']:.0%}"
+        lines.append(
+            f"{_label(r['strategy_resolved']):<20} {r['step_time_s']:>9.3f} {r['tokens_per_s']:>11,.0f} "
+            f"{r['tflops_per_device']:>11.1f} {r['mfu']:>6.1%} {r['peak_memory_bytes'] / 2**30:>9.1f} "
+            f"{'yes' if r['fits_in_memory'] else 'NO':>5} {r['exposed_comm_s']:>9.3f} {overlap:>7} "
+            f"{r['comm_bytes_per_device']['inter_node'] / 1e9:>13.1f}"
+        )
+    return "\n".join(lines)
+
+
+def format_summary(scenario: Scenario) -> str:
+    model, training, topology = scenario.model, scenario.training, scenario.topology
+    device = topology.device
+    tokens = training.global_batch_size * model.seq_len
+    return "\n".join(
+        [
+            f"model    {model.name}: {model.num_params() / 1e9:.2f}B parameters "
+            f"({model.num_active_params() / 1e9:.2f}B active), "
+            f"{model.model_flops_per_token() / 1e9:.1f} GFLOP/token (PaLM), seq {model.seq_len}",
+            f"training {training.global_batch_size} x {model.seq_len} = {tokens / 1e6:.2f}M tokens/step, "
+            f"micro-batch {training.micro_batch_size}, {training.precision}, grads {training.grad_dtype}, "
+            f"recompute {training.activation_recompute}",
+            f"cluster  {topology.num_devices} x {device.name} ({topology.num_nodes} nodes x "
+            f"{topology.devices_per_node}, preset {topology.spec.preset}), "
+            f"{device.peak_flops_per_s(training.precision) / 1e12:.0f} TFLOP/s peak, "
+            f"{device.memory_bytes / 2**30:.0f} GiB",
+        ]
+    )
+
+
+def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
+    scenario = load_scenario(args.scenario, args.set or ())
+    if compare and len(scenario.strategies) < 2 and not args.json:
+        print("note: the scenario has one strategy; give a `strategies:` list to compare several", file=sys.stderr)
+    reports = [run_choice(scenario, choice, expand=args.expand) for choice in scenario.strategies]
+    if args.json:
+        print(to_json(reports[0] if len(reports) == 1 and not compare else reports))
+    else:
+        print(format_summary(scenario))
+        print()
+        print(format_table(reports))
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    what = args.what
+    if what in (None, "devices"):
+        print("devices:")
+        for d in DEVICES.values():
+            print(
+                f"  {d.name:<11} {d.peak_bf16_flops_per_s / 1e12:7.1f} TFLOP/s bf16  "
+                f"{d.memory_bytes / 1e9:6.1f} GB  {d.memory_bytes_per_s / 1e12:5.2f} TB/s  "
+                f"(fabric: {d.default_cluster_preset})"
+            )
+    if what in (None, "presets", "topologies"):
+        print("cluster presets: " + ", ".join(list_presets("topologies")))
+    if what in (None, "workloads", "models"):
+        print("workloads: " + ", ".join(list_presets("workloads")))
+    if what in (None, "strategies"):
+        print("strategies: " + ", ".join(strategies.available()))
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hzpsim", description="Which parallelism strategy wins on your cluster, and why.")
+    parser.add_argument("--version", action="version", version=f"hzpsim {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (
+        ("run", "simulate a scenario (default: the built-in one)"),
+        ("compare", "simulate every entry of a scenario's strategies list side by side"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("scenario", nargs="?", help="scenario YAML file (omit for the built-in default)")
+        p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a field, e.g. cluster.num_nodes=16")
+        p.add_argument("--json", action="store_true", help="print the DESIGN §5 JSON contract")
+        p.add_argument("--expand", action="store_true", help="simulate every device instead of one per equivalence class")
+    p = sub.add_parser("list", help="list devices, cluster presets, workloads and strategies")
+    p.add_argument("what", nargs="?", choices=("devices", "presets", "topologies", "workloads", "models", "strategies"))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        if args.command == "list":
+            return _cmd_list(args)
+        return _cmd_run(args, compare=args.command == "compare")
+    except (ScenarioError, GraphError) as exc:
+        print(f"hzpsim: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # an hzpsim bug, not bad input
+        if os.environ.get("HZPSIM_DEBUG"):
+            raise
+        print(f"hzpsim: internal error: {type(exc).__name__}: {exc} (set HZPSIM_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Device catalog: peak dense FLOP/s per dtype, HBM capacity and bandwidth.
+
+Every number carries its source. Tags follow ``data/strategies.md``: [SRC] primary source
+(vendor datasheet / official docs), [SEC] secondary source, [INF] our own inference.
+
+Conventions (apply to every entry):
+
+* All FLOP/s are **dense** (no 2:4 structured sparsity) tensor-core / matrix-core peaks.
+* ``peak_fp8_flops_per_s = None`` means the device has no fp8 tensor cores; fp8 GEMMs then
+  run at the bf16 rate (they are executed as bf16 GEMMs), see :meth:`Device.peak_flops_per_s`.
+* ``peak_fp32_flops_per_s`` is the rate an *exact* fp32 GEMM gets by default in PyTorch:
+  on NVIDIA this is the plain FP32 (non-TF32) rate, because ``torch.backends.cuda.matmul.
+  allow_tf32`` defaults to False since PyTorch 1.12 and the executor's ``fp32`` mode is used for
+  exact checks; on AMD CDNA2 it is the FP32 *matrix* (MFMA) rate, which rocBLAS uses for
+  fp32 GEMMs and which is IEEE fp32 (not a reduced-precision format).
+* ``memory_bytes`` uses decimal units as the vendors do (80 GB = 80e9 bytes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
+
+TERA = 1e12
+GIGA = 1e9
+
+
+@dataclass(frozen=True)
+class Device:
+    """One accelerator (or one GCD / one CPU "device")."""
+
+    name: str
+    peak_bf16_flops_per_s: float  # dense
+    peak_fp16_flops_per_s: float  # dense
+    peak_fp8_flops_per_s: float | None  # dense; None = no fp8 tensor cores (fp8 runs at bf16 rate)
+    peak_fp32_flops_per_s: float  # rate of an exact fp32 GEMM by default (see module docstring)
+    memory_bytes: float  # HBM (or RAM) capacity, bytes
+    memory_bytes_per_s: float  # HBM (or RAM) bandwidth, bytes/s
+    default_cluster_preset: str  # preset giving this device's usual node fabric
+    source: str  # where the numbers come from
+
+    def peak_flops_per_s(self, precision: str) -> float:
+        """Dense peak FLOP/s for GEMMs in ``precision`` (bf16 | fp16 | fp8 | fp32).
+
+        fp8 on a device without fp8 tensor cores returns the bf16 rate (fp8 GEMMs are run as
+        bf16 GEMMs there).
+        """
+        if precision == "bf16":
+            return self.peak_bf16_flops_per_s
+        if precision == "fp16":
+            return self.peak_fp16_flops_per_s
+        if precision == "fp8":
+            if self.peak_fp8_flops_per_s is None:
+                return self.peak_bf16_flops_per_s
+            return self.peak_fp8_flops_per_s
+        if precision == "fp32":
+            return self.peak_fp32_flops_per_s
+        raise ValueError(f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
+
+
+# --- the catalog --------------------------------------------------------------------------
+
+_A100_SRC = (
+    "[SRC] NVIDIA A100 Tensor Core GPU datasheet: BF16/FP16 tensor 312 TF dense (624 sparse), "
+    "FP32 19.5 TF (TF32 156 TF dense, not used: see module docstring), no FP8; "
+    "strategies.md §4 (312 TF, 2.039 TB/s for 80GB SXM4)."
+)
+
+DEVICES: dict[str, Device] = {
+    d.name: d
+    for d in (
+        Device(
+            name="a100-40gb",
+            peak_bf16_flops_per_s=312 * TERA,
+            peak_fp16_flops_per_s=312 * TERA,
+            peak_fp8_flops_per_s=None,  # Ampere has no fp8 tensor cores
+            peak_fp32_flops_per_s=19.5 * TERA,
+            memory_bytes=40 * GIGA,  # 40 GB HBM2 [SRC datasheet]
+            memory_bytes_per_s=1555 * GIGA,  # 1,555 GB/s [SRC datasheet, A100 40GB SXM]
+            default_cluster_preset="dgx-a100",
+            source=_A100_SRC + " 40GB SXM: 40 GB HBM2 at 1,555 GB/s [SRC datasheet].",
+        ),
+        Device(
+            name="a100-80gb",
+            peak_bf16_flops_per_s=312 * TERA,
+            peak_fp16_flops_per_s=312 * TERA,
+            peak_fp8_flops_per_s=None,
+            peak_fp32_flops_per_s=19.5 * TERA,
+            memory_bytes=80 * GIGA,  # 80 GB HBM2e [SRC datasheet; strategies.md §4]
+            memory_bytes_per_s=2039 * GIGA,  # 2,039 GB/s [SRC datasheet; strategies.md §4]
+            default_cluster_preset="dgx-a100",
+            source=_A100_SRC + " 80GB SXM: 80 GB HBM2e at 2,039 GB/s.",
+        ),
+        Device(
+            name="h100-sxm",
+            peak_bf16_flops_per_s=989.4 * TERA,  # 1,979 sparse / 2 [SRC; strategies.md §4]
+            peak_fp16_flops_per_s=989.4 * TERA,
+            peak_fp8_flops_per_s=1978.9 * TERA,  # 3,958 sparse / 2 [SRC H100 datasheet]
+            peak_fp32_flops_per_s=66.9 * TERA,  # FP32 67 TF [SRC datasheet] (TF32 494.7 dense)
+            memory_bytes=80 * GIGA,  # 80 GB HBM3
+            memory_bytes_per_s=3.35 * TERA,  # 3.35 TB/s
+            default_cluster_preset="dgx-h100",
+            source=(
+                "[SRC] NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16/FP16 1,979 TF and FP8 "
+                "3,958 TF *with sparsity* (dense = half), FP32 67 TF, 80 GB HBM3 at 3.35 TB/s; "
+                "strategies.md §4 (989.4 TF dense, 3.35 TB/s)."
+            ),
+        ),
+        Device(
+            name="h200",
+            peak_bf16_flops_per_s=989.4 * TERA,  # same GH100 die as H100 SXM [strategies.md §4]
+            peak_fp16_flops_per_s=989.4 * TERA,
+            peak_fp8_flops_per_s=1978.9 * TERA,
+            peak_fp32_flops_per_s=66.9 * TERA,
+            memory_bytes=141 * GIGA,  # 141 GB HBM3e
+            memory_bytes_per_s=4.8 * TERA,  # 4.8 TB/s
+            default_cluster_preset="dgx-h200",
+            source=(
+                "[SRC] NVIDIA H200 datasheet (SXM): compute as H100 SXM (1,979 TF BF16 sparse = "
+                "989 dense; the 1,979 figure sometimes listed as dense is the sparse one), "
+                "141 GB HBM3e at 4.8 TB/s; strategies.md §4."
+            ),
+        ),
+        Device(
+            name="mi250x",  # ONE GCD (a MI250X package holds two; Frontier schedules per GCD)
+            peak_bf16_flops_per_s=383 * TERA / 2,  # 383 TF per package [SRC AMD] -> 191.5/GCD
+            peak_fp16_flops_per_s=383 * TERA / 2,
+            peak_fp8_flops_per_s=None,  # CDNA2 has no fp8 matrix cores
+            peak_fp32_flops_per_s=95.7 * TERA / 2,  # FP32 matrix 95.7 TF per package [SRC AMD]
+            memory_bytes=64 * GIGA,  # 128 GB HBM2e per package, 64 per GCD
+            memory_bytes_per_s=1.6 * TERA,  # 3.2 TB/s per package, 1.6 per GCD
+            default_cluster_preset="frontier",
+            source=(
+                "[SRC] AMD Instinct MI250X datasheet: 383 TF peak FP16/BF16 matrix, 95.7 TF FP32 "
+                "matrix, 128 GB HBM2e at 3.2 TB/s per package (2 GCDs); per-GCD values are "
+                "halves, per OLCF Frontier User Guide (64 GB, 1.6 TB/s per GCD); strategies.md §4."
+            ),
+        ),
+        Device(
+            name="v100",  # V100 SXM2 32GB
+            # Volta has no bf16 tensor cores: bf16 GEMMs run on the CUDA cores at the fp32 rate
+            # [INF: sm_70 has HMMA for fp16 only].
+            peak_bf16_flops_per_s=15.7 * TERA,
+            peak_fp16_flops_per_s=125 * TERA,  # tensor performance 125 TF [SRC datasheet]
+            peak_fp8_flops_per_s=None,
+            peak_fp32_flops_per_s=15.7 * TERA,  # single precision 15.7 TF [SRC datasheet]
+            memory_bytes=32 * GIGA,  # 32 GB HBM2 (16 GB SKU exists)
+            memory_bytes_per_s=900 * GIGA,  # 900 GB/s
+            default_cluster_preset="dgx2-v100",
+            source=(
+                "[SRC] NVIDIA Tesla V100 datasheet (SXM2): tensor 125 TF (fp16), FP32 15.7 TF, "
+                "32 GB HBM2 at 900 GB/s; no bf16/fp8 tensor cores, bf16 at the FP32 rate [INF]."
+            ),
+        ),
+        Device(
+            name="npu-910b",
+            peak_bf16_flops_per_s=300 * TERA,  # AsyncHZP paper's cluster figure (DESIGN §4/§5)
+            peak_fp16_flops_per_s=300 * TERA,
+            peak_fp8_flops_per_s=None,  # 910B has no fp8 cube support [SEC: gitee AI docs list FP16/BF16/INT8]
+            # No published fp32 GEMM rate was found. Placeholder [INF]: bf16/4, the same
+            # bf16 : fp32-matrix ratio as MI250X (383 : 95.7). Calibrate before trusting fp32 runs.
+            peak_fp32_flops_per_s=300 * TERA / 4,
+            memory_bytes=64 * GIGA,  # 64 GB HBM2e [SEC: gitee AI docs; AsyncHZP reading note]
+            memory_bytes_per_s=1.6 * TERA,  # ≈1.6 TB/s, unconfirmed [strategies.md §4]
+            default_cluster_preset="hzp-npu",
+            source=(
+                "AsyncHZP (arXiv 2510.20111) cluster as reported secondhand: ~300 dense BF16 TF, "
+                "64 GB (DESIGN §4) [SEC]; Ascend 910B class 280-376 TF [SEC strategies.md §4]; "
+                "HBM bandwidth ≈1.6 TB/s unconfirmed [strategies.md §4]; fp32 = bf16/4 placeholder [INF]."
+            ),
+        ),
+        Device(
+            name="cpu-local",  # ONE of the 2 worker processes of the local CPU box (1 core each)
+            # Measured 2026-11-21 on this machine (Intel Xeon, 2 vCPUs, 24.7 GB RAM, numpy 2.4.6,
+            # OpenBLAS 0.3.31), script: fp32 (n=2048)^3 matmul best of 10; np.copyto 256 MiB best
+            # of 10 counting read+write bytes:
+            #   OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1: 1.12e11 FLOP/s, 2.12e10 B/s
+            #   OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2: 2.35e11 and 1.81e11 FLOP/s (two runs,
+            #   noisy), 2.04e10-2.30e10 B/s
+            # Per device we take the 1-core figures (2 processes share the 2 cores).
+            # bf16/fp16: no native matmul units on this CPU -> set to the fp32 rate (an upper
+            # bound; torch bf16 CPU GEMMs are usually slower; `hzpsim calibrate` refines it).
+            peak_bf16_flops_per_s=1.12e11,
+            peak_fp16_flops_per_s=1.12e11,
+            peak_fp8_flops_per_s=None,
+            peak_fp32_flops_per_s=1.12e11,
+            memory_bytes=24731700 * 1024 / 2,  # MemTotal (/proc/meminfo) split between 2 procs
+            memory_bytes_per_s=2.12e10,  # single-stream copy; both procs share the memory bus
+            default_cluster_preset="local-cpu",
+            source=(
+                "measured 2026-11-21 on this box with /tmp/measure_cpu.py-style numpy script: "
+                "`OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python measure_cpu.py` -> fp32 matmul "
+                "(2048^3, best of 10) 1.12e11 FLOP/s, np.copyto 256 MiB (read+write, best of 10) "
+                "2.12e10 B/s; with 2 threads 1.8-2.35e11 FLOP/s. RAM MemTotal 24,731,700 kB split "
+                "over 2 processes. Placeholder until `hzpsim calibrate` re-measures."
+            ),
+        ),
+    )
+}
+
+
+def get_device(name: str) -> Device:
+    """Catalog lookup; ValueError naming the known devices if ``name`` is unknown."""
+    try:
+        return DEVICES[name]
+    except KeyError:
+        raise ValueError(f"unknown device {name!r} (known: {', '.join(sorted(DEVICES))})") from None

@@ -1,0 +1,461 @@
+"""Cluster specification (the scenario's ``cluster:`` mapping) and the topology built from it.
+
+Hierarchy, innermost first (``LEVELS``)::
+
+    device ─► island (NVSwitch / full mesh) ─► node (between islands of one node)
+           ─► leaf (between nodes of one rail group / scalable unit) ─► spine (across leaves)
+
+Every link is described per device and per direction: ``bytes_per_s`` is the line rate
+available to one device for traffic crossing that level, ``efficiency`` the achieved fraction
+(NCCL-tests bus bandwidth / line rate) and ``latency_s`` the α term per ring step.
+
+Fabric defaults come from the presets, the YAML files in ``topologies/`` (found in a checkout
+or an installed wheel by :mod:`hzpsim.presets`). A ``ClusterSpec`` field left ``None`` is
+taken from ``spec.preset`` or, when no preset is named, from the device's usual fabric
+(``Device.default_cluster_preset``), as DESIGN §5 asks.
+
+Sources of the defaults (tags as in ``data/strategies.md``):
+
+* NVLink4 450 GB/s/dir, achieved ≈370 GB/s busbw → η = 370/450 ≈ 0.822
+  [SRC NVIDIA/nccl-tests #212, strategies.md §3].
+* NVLink3 300 GB/s/dir, 230–250 GB/s AR busbw (232.5 measured) → η = 0.80
+  [SEC docs.alayanew.com; SRC NVIDIA/nccl-tests #175, strategies.md §3].
+* IB NDR 400 Gb/s = 50 GB/s, 46–48 GB/s per NIC → η = 47/50 = 0.94 [SRC nccl-tests #290].
+* IB HDR 200 Gb/s = 25 GB/s, DGX-A100 192 GB/s busbw over 8 NICs → η = 192/200 = 0.96
+  [SRC NVIDIA/nccl #1576].
+* 100 Gb/s NIC 12.2 GB/s → η = 0.976 [SRC NVIDIA/nccl-tests #29].
+* α per ring step: NCCL's own tuning model (``src/graph/tuning.cc``, ``hwLat`` table, Ring /
+  Simple protocol) uses 3.4 µs per NVLink hop and 14.0 µs per network hop [SRC NCCL source];
+  strategies.md §3 gives 10–20 µs per inter-node step [INF] — consistent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from .devices import Device, get_device
+
+if TYPE_CHECKING:  # pragma: no cover
+    import networkx as nx
+
+LevelName = Literal["island", "node", "leaf", "spine"]
+LEVELS: tuple[str, ...] = ("island", "node", "leaf", "spine")
+#: Levels whose traffic leaves the node (the JSON report's ``inter_node`` bucket).
+INTER_NODE_LEVELS: tuple[str, ...] = ("leaf", "spine")
+#: Levels whose traffic stays inside a node (the JSON report's ``intra_node`` bucket).
+INTRA_NODE_LEVELS: tuple[str, ...] = ("island", "node")
+
+# NCCL src/graph/tuning.cc hwLat[NVLINK|NET][Ring][Simple], µs per ring step [SRC].
+_NCCL_NVLINK_RING_STEP_S = 3.4e-6
+_NCCL_NET_RING_STEP_S = 14.0e-6
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The ``cluster:`` mapping of a scenario. Every ``None`` means "from the preset".
+
+    Fields (units; default):
+
+    * ``preset`` — name of a preset in ``topologies/`` to start from;
+      ``None`` → the device's usual fabric (``Device.default_cluster_preset``).
+    * ``device`` — device catalog name (``hzpsim.cluster.devices.DEVICES``); ``None`` → preset's.
+    * ``num_nodes`` — number of nodes (count; 1).
+    * ``gpus_per_node`` — devices per node (count; ``None`` → preset's).
+    * ``islands_per_node`` — scale-up islands per node (count; ``None`` → preset's, e.g. 1 for
+      DGX, 2 for ``hzp-npu``). ``gpus_per_node`` must be divisible by it.
+    * ``intra_node_bytes_per_s`` — per device, one direction, line rate inside an island
+      (NVLink / HCCS mesh) (bytes/s; ``None`` → preset's).
+    * ``inter_island_bytes_per_s`` — per device, one direction, line rate of the path between
+      islands of one node (bytes/s; ``None`` → preset's; when the preset does not publish one:
+      equal to ``intra_node_bytes_per_s`` for 1-island nodes, else conservatively the NIC path
+      ``inter_node_bytes_per_s_per_device``).
+    * ``inter_node_bytes_per_s_per_device`` — NIC line rate per device, one direction
+      (bytes/s; ``None`` → preset's).
+    * ``nodes_per_leaf`` — nodes under one leaf / rail group / scalable unit (count; ``None`` →
+      preset's, e.g. 32 for a DGX H100 SuperPOD SU).
+    * ``spine_oversubscription`` — leaf-uplink taper; spine bandwidth per device =
+      NIC / this (ratio ≥ 1; ``None`` → preset's, 1.0 = non-blocking fat tree).
+    * ``intra_node_efficiency``, ``inter_island_efficiency``, ``inter_node_efficiency`` —
+      achieved fraction of line rate (0 < η ≤ 1; ``None`` → preset's).
+    * ``intra_node_latency_s``, ``inter_island_latency_s``, ``inter_node_latency_s`` — α per
+      ring step at that level (seconds, ≥ 0; ``None`` → preset's).
+    """
+
+    preset: str | None = None
+    device: str | None = None
+    num_nodes: int = 1
+    gpus_per_node: int | None = None
+    islands_per_node: int | None = None
+    intra_node_bytes_per_s: float | None = None
+    inter_island_bytes_per_s: float | None = None
+    inter_node_bytes_per_s_per_device: float | None = None
+    nodes_per_leaf: int | None = None
+    spine_oversubscription: float | None = None
+    intra_node_efficiency: float | None = None
+    inter_island_efficiency: float | None = None
+    inter_node_efficiency: float | None = None
+    intra_node_latency_s: float | None = None
+    inter_island_latency_s: float | None = None
+    inter_node_latency_s: float | None = None
+
+    def validate(self) -> None:
+        """Check the fields that are set; raise ``ValueError("<field>: <problem>")``."""
+        if self.preset is not None and self.preset not in preset_names():
+            raise ValueError(
+                f"preset: unknown preset {self.preset!r} (known: {', '.join(preset_names())})"
+            )
+        if self.device is not None:
+            try:
+                get_device(self.device)
+            except ValueError as e:
+                raise ValueError(f"device: {e}") from None
+        for name in ("num_nodes", "gpus_per_node", "islands_per_node", "nodes_per_leaf"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name}: must be an integer, got {v!r}")
+            if v < 1:
+                raise ValueError(f"{name}: must be >= 1, got {v}")
+        for name in (
+            "intra_node_bytes_per_s",
+            "inter_island_bytes_per_s",
+            "inter_node_bytes_per_s_per_device",
+        ):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name}: must be a positive finite number of bytes/s, got {v!r}")
+        for name in ("intra_node_efficiency", "inter_island_efficiency", "inter_node_efficiency"):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and 0 < v <= 1):
+                raise ValueError(f"{name}: must be in (0, 1], got {v!r}")
+        for name in ("intra_node_latency_s", "inter_island_latency_s", "inter_node_latency_s"):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"{name}: must be a finite number of seconds >= 0, got {v!r}")
+        v = self.spine_oversubscription
+        if v is not None and not (_is_number(v) and v >= 1 and math.isfinite(v)):
+            raise ValueError(f"spine_oversubscription: must be a finite ratio >= 1, got {v!r}")
+        if (
+            self.gpus_per_node is not None
+            and self.islands_per_node is not None
+            and self.gpus_per_node % self.islands_per_node != 0
+        ):
+            raise ValueError(
+                f"gpus_per_node: {self.gpus_per_node} is not divisible by "
+                f"islands_per_node={self.islands_per_node}"
+            )
+
+    def resolved(self) -> ClusterSpec:
+        """A copy with every ``None`` filled from the preset (validated)."""
+        self.validate()
+        if self.preset is not None:
+            base_name = self.preset
+        elif self.device is not None:
+            base_name = get_device(self.device).default_cluster_preset
+        else:
+            raise ValueError("device: required when no preset is given")
+        if base_name not in preset_names():
+            raise ValueError(
+                f"device: default preset {base_name!r} of device {self.device!r} is not shipped"
+            )
+        base = preset_spec(base_name)
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for k, v in values.items():
+            if v is None and k != "preset":
+                values[k] = getattr(base, k)
+        values["preset"] = base_name if self.preset is None else self.preset
+        islands = values["islands_per_node"]
+        # Inter-island path not published by the preset: 1 island → same as intra (unused);
+        # several islands → conservatively the NIC path (DESIGN §5).
+        fallback = "intra_node" if islands == 1 else "inter_node"
+        if values["inter_island_bytes_per_s"] is None:
+            values["inter_island_bytes_per_s"] = (
+                values["intra_node_bytes_per_s"]
+                if fallback == "intra_node"
+                else values["inter_node_bytes_per_s_per_device"]
+            )
+        if values["inter_island_efficiency"] is None:
+            values["inter_island_efficiency"] = values[f"{fallback}_efficiency"]
+        if values["inter_island_latency_s"] is None:
+            values["inter_island_latency_s"] = values[f"{fallback}_latency_s"]
+        out = ClusterSpec(**values)
+        out.validate()
+        missing = [f.name for f in fields(out) if getattr(out, f.name) is None]
+        if missing:
+            raise ValueError(f"{missing[0]}: not set and preset {base_name!r} has no default")
+        return out
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+# --- presets ---------------------------------------------------------------------------------
+# The presets are the YAML files in topologies/ (each a ClusterSpec mapping with its sources as
+# comments); num_nodes is not part of a preset (ClusterSpec default: 1 node).
+
+
+def preset_names() -> list[str]:
+    """Names of the cluster presets (``topologies/*.yaml`` and the user config folder)."""
+    from hzpsim.presets import list_presets
+
+    return list_presets("topologies")
+
+
+def preset_spec(name: str) -> ClusterSpec:
+    """The ClusterSpec stored in preset ``name`` (ValueError naming the known ones)."""
+    from hzpsim.config import from_mapping
+    from hzpsim.presets import load_preset
+
+    data = load_preset("topologies", name, "preset")
+    return from_mapping(ClusterSpec, data, f"topologies/{name}.yaml")
+
+
+# --- topology ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinkLevel:
+    """Per-device, one-direction link seen by traffic crossing one level."""
+
+    name: str
+    bytes_per_s: float  # line rate, bytes/s
+    efficiency: float  # achieved fraction of line rate
+    latency_s: float  # α per ring step, seconds
+
+    @property
+    def achieved_bytes_per_s(self) -> float:
+        return self.bytes_per_s * self.efficiency
+
+
+@dataclass(frozen=True)
+class GroupSpan:
+    """Where a group of ranks sits on the topology (all counts are of distinct units)."""
+
+    num_ranks: int
+    max_ranks_per_island: int
+    max_ranks_per_node: int
+    num_islands: int
+    num_nodes: int
+    num_leaves: int
+    outermost_level: str  # one of LEVELS, or "device" for a single rank
+    #: levels the group's traffic crosses, innermost first: "island" if some island holds ≥2
+    #: ranks, "node" if some node holds ranks in ≥2 islands, "leaf" if some leaf holds ranks
+    #: in ≥2 nodes, "spine" if ranks are in ≥2 leaves.
+    levels: tuple[str, ...] = ()
+
+
+class Topology:
+    """Arithmetic view of a cluster plus a lazily built NetworkX graph.
+
+    Ranks are numbered node-major, then island, then device inside the island, so
+    ``node = rank // devices_per_node`` and ``island = rank // devices_per_island``.
+    """
+
+    LEVELS = LEVELS
+
+    def __init__(self, spec: ClusterSpec):
+        spec = spec.resolved()
+        self.spec: ClusterSpec = spec
+        self.device: Device = get_device(spec.device)  # type: ignore[arg-type]
+        self.num_nodes: int = int(spec.num_nodes)
+        self.devices_per_node: int = int(spec.gpus_per_node)  # type: ignore[arg-type]
+        self.islands_per_node: int = int(spec.islands_per_node)  # type: ignore[arg-type]
+        self.devices_per_island: int = self.devices_per_node // self.islands_per_node
+        self.nodes_per_leaf: int = int(spec.nodes_per_leaf)  # type: ignore[arg-type]
+        self.num_devices: int = self.num_nodes * self.devices_per_node
+        self.num_islands: int = self.num_nodes * self.islands_per_node
+        self.num_leaves: int = -(-self.num_nodes // self.nodes_per_leaf)
+        s = spec
+        nic = float(s.inter_node_bytes_per_s_per_device)  # type: ignore[arg-type]
+        self._links: dict[str, LinkLevel] = {
+            "island": LinkLevel(
+                "island",
+                float(s.intra_node_bytes_per_s),  # type: ignore[arg-type]
+                float(s.intra_node_efficiency),  # type: ignore[arg-type]
+                float(s.intra_node_latency_s),  # type: ignore[arg-type]
+            ),
+            "node": LinkLevel(
+                "node",
+                float(s.inter_island_bytes_per_s),  # type: ignore[arg-type]
+                float(s.inter_island_efficiency),  # type: ignore[arg-type]
+                float(s.inter_island_latency_s),  # type: ignore[arg-type]
+            ),
+            "leaf": LinkLevel(
+                "leaf",
+                nic,
+                float(s.inter_node_efficiency),  # type: ignore[arg-type]
+                float(s.inter_node_latency_s),  # type: ignore[arg-type]
+            ),
+            "spine": LinkLevel(
+                "spine",
+                nic / float(s.spine_oversubscription),  # type: ignore[arg-type]
+                float(s.inter_node_efficiency),  # type: ignore[arg-type]
+                float(s.inter_node_latency_s),  # type: ignore[arg-type]
+            ),
+        }
+        self._span_cache: dict[tuple[int, ...], GroupSpan] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"Topology({self.spec.preset}: {self.num_nodes} nodes × {self.devices_per_node} "
+            f"{self.device.name} in {self.islands_per_node} island(s), {self.num_leaves} leaves)"
+        )
+
+    # -- links and coordinates ----------------------------------------------------------------
+
+    def link(self, level: str) -> LinkLevel:
+        try:
+            return self._links[level]
+        except KeyError:
+            raise ValueError(f"unknown level {level!r} (known: {', '.join(LEVELS)})") from None
+
+    def _check_rank(self, rank: int) -> int:
+        r = int(rank)
+        if not 0 <= r < self.num_devices:
+            raise ValueError(f"rank {rank} out of range [0, {self.num_devices})")
+        return r
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(leaf, node, island) global indices of ``rank``."""
+        r = self._check_rank(rank)
+        node = r // self.devices_per_node
+        return (node // self.nodes_per_leaf, node, r // self.devices_per_island)
+
+    def level_between(self, a: int, b: int) -> str:
+        """Innermost level containing both ranks ("device" if a == b)."""
+        la, na, ia = self.coords(a)
+        lb, nb, ib = self.coords(b)
+        if int(a) == int(b):
+            return "device"
+        if ia == ib:
+            return "island"
+        if na == nb:
+            return "node"
+        if la == lb:
+            return "leaf"
+        return "spine"
+
+    # -- spans ----------------------------------------------------------------------------------
+
+    def span(self, ranks: Sequence[int] | np.ndarray) -> GroupSpan:
+        """Arithmetic placement summary of a group (no graph traversal; cached per group)."""
+        key = tuple(int(r) for r in ranks) if not isinstance(ranks, tuple) else ranks
+        hit = self._span_cache.get(key)
+        if hit is not None:
+            return hit
+        arr = np.asarray(key, dtype=np.int64)
+        if arr.ndim != 1 or arr.size == 0:
+            raise ValueError("ranks: need a non-empty 1-D sequence of ranks")
+        if arr.min() < 0 or arr.max() >= self.num_devices:
+            raise ValueError(
+                f"ranks: out of range [0, {self.num_devices}) (min {arr.min()}, max {arr.max()})"
+            )
+        arr = np.sort(arr)
+        if arr.size > 1 and np.any(arr[1:] == arr[:-1]):
+            raise ValueError("ranks: duplicate ranks in group")
+        islands = arr // self.devices_per_island  # sorted, so run-lengths give counts
+        nodes = arr // self.devices_per_node
+        isl_ids, isl_counts = _runs(islands)
+        node_ids, node_counts = _runs(nodes)
+        leaf_ids = np.unique(node_ids // self.nodes_per_leaf)
+        n_isl, n_node, n_leaf = len(isl_ids), len(node_ids), len(leaf_ids)
+        levels: list[str] = []
+        if isl_counts.max() > 1:
+            levels.append("island")
+        if n_isl > n_node:
+            levels.append("node")
+        if n_node > n_leaf:
+            levels.append("leaf")
+        if n_leaf > 1:
+            levels.append("spine")
+        out = GroupSpan(
+            num_ranks=int(arr.size),
+            max_ranks_per_island=int(isl_counts.max()),
+            max_ranks_per_node=int(node_counts.max()),
+            num_islands=int(n_isl),
+            num_nodes=int(n_node),
+            num_leaves=int(n_leaf),
+            outermost_level=levels[-1] if levels else "device",
+            levels=tuple(levels),
+        )
+        if len(self._span_cache) >= 65536:
+            self._span_cache.clear()
+        self._span_cache[key] = out
+        return out
+
+    # -- graph ----------------------------------------------------------------------------------
+
+    @cached_property
+    def graph(self) -> nx.Graph:
+        """Tree graph: device ─ island switch ─ node ─ leaf ─ spine.
+
+        Nodes: ranks (int, ``level="device"``), ``("island", i)``, ``("node", n)``,
+        ``("leaf", l)`` and ``("spine", 0)`` (only when there are ≥2 leaves); attribute
+        ``level``. Edges carry ``level`` (the level traffic on it crosses), ``bytes_per_s``
+        (aggregate line rate of the edge = ``per_device_bytes_per_s`` × ``num_devices`` below
+        it), ``per_device_bytes_per_s`` (= ``link(level).bytes_per_s``), ``efficiency`` and
+        ``latency_s`` (= ``link(level)``'s). Edges: device–island ("island"),
+        island–node ("node"), node–leaf ("leaf"), leaf–spine ("spine").
+        """
+        import networkx as nx
+
+        g = nx.Graph()
+        n_dev, dpi, dpn = self.num_devices, self.devices_per_island, self.devices_per_node
+        g.add_nodes_from(range(n_dev), level="device")
+        g.add_nodes_from((("island", i) for i in range(self.num_islands)), level="island")
+        g.add_nodes_from((("node", n) for n in range(self.num_nodes)), level="node")
+        g.add_nodes_from((("leaf", lf) for lf in range(self.num_leaves)), level="leaf")
+        if self.num_leaves > 1:
+            g.add_node(("spine", 0), level="spine")
+
+        def attrs(level: str, below: int) -> dict[str, float | int | str]:
+            lk = self._links[level]
+            return {
+                "level": level,
+                "bytes_per_s": lk.bytes_per_s * below,
+                "per_device_bytes_per_s": lk.bytes_per_s,
+                "num_devices": below,
+                "efficiency": lk.efficiency,
+                "latency_s": lk.latency_s,
+            }
+
+        a = attrs("island", 1)
+        g.add_edges_from((r, ("island", r // dpi), a) for r in range(n_dev))
+        a = attrs("node", dpi)
+        ipn = self.islands_per_node
+        g.add_edges_from((("island", i), ("node", i // ipn), a) for i in range(self.num_islands))
+        npl = self.nodes_per_leaf
+        a = attrs("leaf", dpn)
+        g.add_edges_from((("node", n), ("leaf", n // npl), a) for n in range(self.num_nodes))
+        if self.num_leaves > 1:
+            for lf in range(self.num_leaves):
+                nodes_here = min(npl, self.num_nodes - lf * npl)
+                g.add_edge(("leaf", lf), ("spine", 0), **attrs("spine", nodes_here * dpn))
+        return g
+
+
+def _runs(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct values and their counts of a sorted 1-D array (O(n), no hashing)."""
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    counts = np.diff(np.r_[starts, sorted_ids.size])
+    return sorted_ids[starts], counts
+
+
+def build_topology(spec: ClusterSpec) -> Topology:
+    """Pure builder: resolve ``spec`` against its preset and return the Topology."""
+    return Topology(spec)
+
+
+def with_overrides(spec: ClusterSpec, **overrides: object) -> ClusterSpec:
+    """Convenience: ``dataclasses.replace`` that validates the result."""
+    out = replace(spec, **overrides)  # type: ignore[arg-type]
+    out.validate()
+    return out

@@ -1,0 +1,584 @@
+"""Transformer architecture math: parameter counts, FLOPs and activation bytes.
+
+Pure functions of a frozen :class:`Model` (no I/O, no simulation, no strategy knowledge).
+Counts are plain numbers in SI units: parameters in elements, FLOPs (one multiply-add = 2
+FLOPs), activations in bytes. Try it::
+
+    python -c "from hzpsim.model import Model; print(Model(4, 256, 4, 1024, 1000, 128).summary())"
+
+Sources:
+- PaLM (Chowdhery et al. 2022, arXiv 2204.02311) Appendix B: model FLOPs per token.
+- Narayanan et al. SC'21 (arXiv 2104.04473) §5.1: 96·B·s·l·h²(1 + s/6h + V/16lh) per iteration.
+- Korthikanti et al. 2022 (arXiv 2205.05198) §4, Table 2: activation bytes per layer.
+- DeepSeek-V2/V3 (arXiv 2405.04434, 2412.19437): multi-head latent attention (MLA).
+
+Conventions (one transformer layer = pre-norm attention block + pre-norm MLP/MoE block):
+- A "matmul parameter" is a weight used in a GEMM; biases, norm scales and embedding tables
+  (a lookup, not a GEMM) are not matmul parameters.
+- Backward FLOPs = 2 × forward FLOPs (one GEMM for the input gradient, one for the weight
+  gradient, each as large as the forward GEMM; the same holds for the attention core).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+RecomputeMode = Literal["none", "selective", "full"]
+_RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Mixture-of-experts MLP replacing the dense MLP in some layers."""
+
+    num_experts: int
+    """Routed experts per MoE layer (count, required)."""
+    top_k: int
+    """Routed experts each token is sent to (count, required)."""
+    expert_ffn_hidden_size: int
+    """Intermediate size of one routed expert's MLP (elements, required)."""
+    moe_layer_interval: int = 1
+    """Every k-th layer after ``first_dense_layers`` is MoE (layers, default 1 = all)."""
+    num_shared_experts: int = 0
+    """Always-active shared experts per MoE layer (count, default 0)."""
+    first_dense_layers: int = 0
+    """Leading layers that keep the dense MLP (layers, default 0)."""
+    shared_expert_ffn_hidden_size: int | None = None
+    """Intermediate size of one shared expert (elements, default ``expert_ffn_hidden_size``)."""
+
+    @property
+    def shared_ffn_resolved(self) -> int:
+        """Intermediate size of one shared expert (elements)."""
+        if self.shared_expert_ffn_hidden_size is None:
+            return self.expert_ffn_hidden_size
+        return self.shared_expert_ffn_hidden_size
+
+    def validate(self) -> None:
+        """Raise ``ValueError("<field>: <problem>")`` for an impossible MoE block."""
+        for name in ("num_experts", "top_k", "expert_ffn_hidden_size", "moe_layer_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("num_shared_experts", "first_dense_layers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k: {self.top_k} exceeds num_experts ({self.num_experts})")
+        if (
+            self.shared_expert_ffn_hidden_size is not None
+            and self.shared_expert_ffn_hidden_size < 1
+        ):
+            raise ValueError(
+                f"shared_expert_ffn_hidden_size: must be >= 1, got {self.shared_expert_ffn_hidden_size}"
+            )
+
+
+@dataclass(frozen=True)
+class MLA:
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank compressed Q and KV.
+
+    Weights (DeepSeek-V3 names): q_a h×q_lora, q_a_norm, q_b q_lora×a(d_nope+d_rope),
+    kv_a h×(kv_lora+d_rope), kv_a_norm, kv_b kv_lora×a(d_nope+d_v), o a·d_v×h. K and V are
+    decompressed per head for training, so the attention core is an MHA with query/key head
+    size d_nope+d_rope and value head size d_v.
+    """
+
+    kv_lora_rank: int
+    """Rank of the joint KV compression (elements, required; DeepSeek-V3: 512)."""
+    qk_nope_head_dim: int
+    """Per-head query/key size without rotary part (elements, required; V3: 128)."""
+    qk_rope_head_dim: int
+    """Per-head decoupled rotary query/key size, key part shared by heads (elements, required; V3: 64)."""
+    v_head_dim: int
+    """Per-head value size (elements, required; V3: 128)."""
+    q_lora_rank: int | None = None
+    """Rank of the query compression (elements, default None = uncompressed q projection; V3: 1536)."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError("<field>: <problem>")`` for impossible MLA sizes."""
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.qk_rope_head_dim < 0:
+            raise ValueError(f"qk_rope_head_dim: must be >= 0, got {self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank: must be >= 1, got {self.q_lora_rank}")
+
+
+@dataclass(frozen=True)
+class Model:
+    """A decoder-only transformer (dense or MoE). Defaults describe a Llama-style model."""
+
+    num_layers: int
+    """Transformer layers (count, required)."""
+    hidden_size: int
+    """Model width h (elements, required)."""
+    num_heads: int
+    """Query attention heads a (count, required)."""
+    ffn_hidden_size: int
+    """Intermediate size of the dense MLP (elements, required; unused in all-MoE models)."""
+    vocab_size: int
+    """Vocabulary size V (tokens, required)."""
+    seq_len: int
+    """Training sequence length s (tokens, required)."""
+    name: str = "custom"
+    """Display name (default "custom")."""
+    num_kv_heads: int | None = None
+    """Key/value heads for GQA/MQA (count, default ``num_heads`` = MHA)."""
+    head_dim: int | None = None
+    """Per-head size (elements, default ``hidden_size // num_heads``; ignored with ``mla``)."""
+    mlp: Literal["swiglu", "gelu"] = "swiglu"
+    """MLP type: swiglu (3 matrices: gate, up, down) or gelu (2 matrices) (default swiglu)."""
+    tied_embeddings: bool = False
+    """LM head shares the token-embedding matrix (default false)."""
+    moe: MoE | None = None
+    """Mixture-of-experts settings (default None = dense model)."""
+    linear_bias: bool = False
+    """Every linear layer except the router and LM head has a bias (default false; GPT-2/3: true)."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """Normalisation type (default rmsnorm). Only documents the model; sizes depend on norm_bias."""
+    norm_bias: bool = False
+    """Norms carry a bias (shift) besides the scale (default false; GPT-3 LayerNorm: true)."""
+    position_embedding: Literal["rope", "learned", "alibi", "none"] = "rope"
+    """Position encoding; only "learned" adds parameters (seq_len × h) (default rope)."""
+    dropout: bool = True
+    """Dropout on attention probabilities and block outputs; its 1-byte masks are activation
+    memory (default true, Korthikanti's Table 2 convention; Llama/Mixtral train without)."""
+    mla: MLA | None = None
+    """Multi-head latent attention (default None = standard MHA/GQA attention)."""
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ``ValueError("<field>: <problem>")`` if the architecture is impossible.
+
+        Not called by the constructor; the scenario loader calls it.
+        """
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "seq_len",
+        ):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        if self.num_kv_heads is not None:
+            if self.num_kv_heads < 1:
+                raise ValueError(f"num_kv_heads: must be >= 1, got {self.num_kv_heads}")
+            if self.num_heads % self.num_kv_heads != 0:
+                raise ValueError(
+                    f"num_kv_heads: num_heads ({self.num_heads}) is not divisible by "
+                    f"num_kv_heads ({self.num_kv_heads})"
+                )
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ValueError(f"head_dim: must be >= 1, got {self.head_dim}")
+        if self.head_dim is None and self.mla is None and self.hidden_size % self.num_heads != 0:
+            raise ValueError(
+                f"head_dim: hidden_size ({self.hidden_size}) is not divisible by num_heads "
+                f"({self.num_heads}); set head_dim explicitly"
+            )
+        if self.mlp not in ("swiglu", "gelu"):
+            raise ValueError(f"mlp: {self.mlp!r} is not one of: swiglu, gelu")
+        if self.norm not in ("rmsnorm", "layernorm"):
+            raise ValueError(f"norm: {self.norm!r} is not one of: rmsnorm, layernorm")
+        if self.position_embedding not in ("rope", "learned", "alibi", "none"):
+            raise ValueError(
+                f"position_embedding: {self.position_embedding!r} is not one of: rope, learned, alibi, none"
+            )
+        if self.moe is not None:
+            try:
+                self.moe.validate()
+            except ValueError as exc:
+                raise ValueError(f"moe.{exc}") from None
+            if self.moe.first_dense_layers >= self.num_layers:
+                raise ValueError(
+                    f"moe.first_dense_layers: {self.moe.first_dense_layers} leaves no MoE layer "
+                    f"in a {self.num_layers}-layer model"
+                )
+        if self.mla is not None:
+            try:
+                self.mla.validate()
+            except ValueError as exc:
+                raise ValueError(f"mla.{exc}") from None
+            if self.linear_bias:
+                raise ValueError("linear_bias: biases are not modelled together with mla")
+            if self.num_kv_heads is not None and self.num_kv_heads != self.num_heads:
+                raise ValueError(
+                    "num_kv_heads: MLA decompresses K/V for every head; leave it unset "
+                    f"or equal to num_heads ({self.num_heads})"
+                )
+
+    # ------------------------------------------------------------------ shapes
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (count)."""
+        if self.mla is not None or self.num_kv_heads is None:
+            return self.num_heads
+        return self.num_kv_heads
+
+    @property
+    def head_dim_resolved(self) -> int:
+        """Query/key size per head (elements); with MLA, qk_nope_head_dim + qk_rope_head_dim."""
+        if self.mla is not None:
+            return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
+        if self.head_dim is not None:
+            return self.head_dim
+        return self.hidden_size // self.num_heads
+
+    @property
+    def v_head_dim_resolved(self) -> int:
+        """Value size per head (elements); equals head_dim_resolved except with MLA."""
+        if self.mla is not None:
+            return self.mla.v_head_dim
+        return self.head_dim_resolved
+
+    def _check_layer(self, i: int) -> None:
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer {i} out of range 0..{self.num_layers - 1}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` (0-based) has an MoE block instead of the dense MLP."""
+        self._check_layer(i)
+        if self.moe is None or i < self.moe.first_dense_layers:
+            return False
+        return (i - self.moe.first_dense_layers) % self.moe.moe_layer_interval == 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Layers with an MoE block (count)."""
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    # ------------------------------------------------------------------ parameters
+    def _attention_matmul_params(self) -> int:
+        h, a = self.hidden_size, self.num_heads
+        if self.mla is not None:
+            m = self.mla
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            if m.q_lora_rank is None:
+                q = h * a * qk
+            else:
+                q = h * m.q_lora_rank + m.q_lora_rank * a * qk
+            kv = h * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank * a * (
+                m.qk_nope_head_dim + m.v_head_dim
+            )
+            return q + kv + a * m.v_head_dim * h
+        d, kv_h = self.head_dim_resolved, self.kv_heads
+        return h * a * d + 2 * h * kv_h * d + a * d * h  # Q, K, V, output projection
+
+    def attention_params(self) -> int:
+        """Attention block weights incl. biases and MLA's internal latent norms (elements);
+        the pre-attention norm is in norm_params_per_layer()."""
+        total = self._attention_matmul_params()
+        if self.mla is not None:
+            m = self.mla
+            latent = m.kv_lora_rank + (m.q_lora_rank or 0)
+            total += latent * (2 if self.norm_bias else 1)
+        elif self.linear_bias:
+            d = self.head_dim_resolved
+            total += self.num_heads * d + 2 * self.kv_heads * d + self.hidden_size
+        return total
+
+    def _mlp_matmul_params(self, ffn: int) -> int:
+        return (3 if self.mlp == "swiglu" else 2) * self.hidden_size * ffn
+
+    def _mlp_params(self, ffn: int) -> int:
+        total = self._mlp_matmul_params(ffn)
+        if self.linear_bias:
+            total += (2 if self.mlp == "swiglu" else 1) * ffn + self.hidden_size
+        return total
+
+    def dense_mlp_params(self) -> int:
+        """Dense MLP weights incl. biases, ffn_hidden_size wide (elements)."""
+        return self._mlp_params(self.ffn_hidden_size)
+
+    def expert_params(self) -> int:
+        """One routed expert's MLP (elements); 0 for a dense model."""
+        return 0 if self.moe is None else self._mlp_params(self.moe.expert_ffn_hidden_size)
+
+    def shared_expert_params(self) -> int:
+        """One shared expert's MLP (elements; multiply by num_shared_experts); 0 for a dense model."""
+        return 0 if self.moe is None else self._mlp_params(self.moe.shared_ffn_resolved)
+
+    def router_params(self) -> int:
+        """Router (gate) weight h × num_experts, no bias (elements); 0 for a dense model."""
+        return 0 if self.moe is None else self.hidden_size * self.moe.num_experts
+
+    def _norm_params(self) -> int:
+        return self.hidden_size * (2 if self.norm_bias else 1)
+
+    def norm_params_per_layer(self) -> int:
+        """The two pre-norms of a layer (elements)."""
+        return 2 * self._norm_params()
+
+    def _ffn_params(self, i: int, active: bool) -> int:
+        if not self.is_moe_layer(i):
+            return self.dense_mlp_params()
+        assert self.moe is not None
+        routed = self.moe.top_k if active else self.moe.num_experts
+        return (
+            self.router_params()
+            + routed * self.expert_params()
+            + self.moe.num_shared_experts * self.shared_expert_params()
+        )
+
+    def layer_params(self, i: int) -> int:
+        """All parameters of layer ``i``: attention, norms, MLP or router + all experts (elements)."""
+        return self.attention_params() + self.norm_params_per_layer() + self._ffn_params(i, False)
+
+    def layer_active_params(self, i: int) -> int:
+        """Parameters of layer ``i`` one token uses: attention, norms, router, top_k routed and
+        all shared experts (elements)."""
+        return self.attention_params() + self.norm_params_per_layer() + self._ffn_params(i, True)
+
+    def embedding_params(self) -> int:
+        """Token embedding table plus learned position table, if any (elements)."""
+        total = self.vocab_size * self.hidden_size
+        if self.position_embedding == "learned":
+            total += self.seq_len * self.hidden_size
+        return total
+
+    def head_params(self) -> int:
+        """LM head (output projection) weight, no bias; 0 when tied (elements)."""
+        return 0 if self.tied_embeddings else self.hidden_size * self.vocab_size
+
+    def final_norm_params(self) -> int:
+        """Norm after the last layer (elements)."""
+        return self._norm_params()
+
+    def _outside_layers_params(self) -> int:
+        return self.embedding_params() + self.head_params() + self.final_norm_params()
+
+    def num_params(self) -> int:
+        """Total parameters (elements)."""
+        return self._outside_layers_params() + sum(
+            self.layer_params(i) for i in range(self.num_layers)
+        )
+
+    def num_active_params(self) -> int:
+        """Parameters touched per token, embedding table included (the convention of the
+        Mixtral and DeepSeek-V3 papers) (elements)."""
+        return self._outside_layers_params() + sum(
+            self.layer_active_params(i) for i in range(self.num_layers)
+        )
+
+    # ------------------------------------------------------------------ FLOPs
+    def layer_matmul_params_active(self, i: int) -> int:
+        """GEMM weights of layer ``i`` one token multiplies with: Q/K/V/O (or MLA
+        projections), dense MLP or router + top_k routed + shared experts (elements)."""
+        ffn: int
+        if self.is_moe_layer(i):
+            assert self.moe is not None
+            ffn = (
+                self.router_params()
+                + self.moe.top_k * self._mlp_matmul_params(self.moe.expert_ffn_hidden_size)
+                + self.moe.num_shared_experts
+                * self._mlp_matmul_params(self.moe.shared_ffn_resolved)
+            )
+        else:
+            ffn = self._mlp_matmul_params(self.ffn_hidden_size)
+        return self._attention_matmul_params() + ffn
+
+    def matmul_params_active_per_token(self) -> int:
+        """PaLM Appendix B parameter basis: GEMM weights active per token, LM head included
+        (even when tied), embedding lookup, norms and biases excluded (elements)."""
+        return self.hidden_size * self.vocab_size + sum(
+            self.layer_matmul_params_active(i) for i in range(self.num_layers)
+        )
+
+    def _attention_core_flops_per_token_per_key(self) -> int:
+        # Q·K^T: 2·a·d_qk, probabilities·V: 2·a·d_v multiply-add FLOPs per (query, key) pair.
+        return 2 * self.num_heads * (self.head_dim_resolved + self.v_head_dim_resolved)
+
+    def model_flops_per_token(self) -> float:
+        """PaLM model FLOPs per token (DESIGN §5 ``mfu``): 6·N_matmul + 12·l·a·d·s, i.e. three
+        passes, full (non-causal) attention, no recompute. With MLA 12·a·d becomes
+        6·a·(d_qk + d_v)."""
+        return 6.0 * self.matmul_params_active_per_token() + 3.0 * self.num_layers * (
+            self._attention_core_flops_per_token_per_key() * self.seq_len
+        )
+
+    def layer_forward_flops(self, i: int, num_tokens: int, causal: bool = True) -> dict[str, float]:
+        """Forward FLOPs of layer ``i`` for ``num_tokens`` tokens, each attending over seq_len keys.
+
+        ``gemm``: 2 × active matmul params × tokens (router included).
+        ``attention``: score and value matmuls, 4·tokens·s·a·d (MLA: 2·tokens·s·a·(d_qk+d_v)),
+        halved when ``causal`` (what a flash-attention kernel executes). Softmax, norms and
+        element-wise ops are not counted. Backward = 2 × these.
+        """
+        attention = (
+            float(num_tokens) * self.seq_len * self._attention_core_flops_per_token_per_key()
+        )
+        if causal:
+            attention /= 2
+        return {
+            "gemm": 2.0 * self.layer_matmul_params_active(i) * num_tokens,
+            "attention": attention,
+        }
+
+    def head_forward_flops(self, num_tokens: int) -> float:
+        """LM head forward FLOPs, 2·h·V·tokens (backward = 2 × this)."""
+        return 2.0 * self.hidden_size * self.vocab_size * num_tokens
+
+    def recompute_forward_flops(
+        self, i: int, num_tokens: int, mode: RecomputeMode, causal: bool = True
+    ) -> float:
+        """Extra forward FLOPs of layer ``i`` spent on activation recomputation in backward:
+        full = the whole layer forward again; selective = the attention core only
+        (Korthikanti §5); none = 0."""
+        if mode not in _RECOMPUTE_MODES:
+            raise ValueError(f"recompute: {mode!r} is not one of: none, selective, full")
+        if mode == "none":
+            return 0.0
+        flops = self.layer_forward_flops(i, num_tokens, causal)
+        return flops["attention"] if mode == "selective" else flops["gemm"] + flops["attention"]
+
+    def training_flops_per_token(
+        self, recompute: RecomputeMode = "none", causal: bool = True
+    ) -> float:
+        """Hardware FLOPs per token of one training step: 3 × forward (forward + 2× backward)
+        of every layer and the LM head, plus recompute. Causal=False, recompute="full" is the
+        SC'21 basis; causal=False, recompute="none" is model_flops_per_token()."""
+        total = 3.0 * self.head_forward_flops(1)
+        for i in range(self.num_layers):
+            fwd = self.layer_forward_flops(i, 1, causal)
+            total += 3.0 * (fwd["gemm"] + fwd["attention"])
+            total += self.recompute_forward_flops(i, 1, recompute, causal)
+        return total
+
+    # ------------------------------------------------------------------ activations
+    def activation_terms_per_token(
+        self, i: int, act_bytes: int = 2
+    ) -> dict[str, tuple[float, str]]:
+        """Korthikanti-style stored-activation terms of layer ``i`` for one token.
+
+        Returns ``{term: (bytes per token, kind)}``; ``kind`` is how tensor parallelism
+        treats it: "replicated" (full on every TP rank unless sequence parallel) or
+        "split" (divided by t). ``act_bytes`` is the activation dtype size (2 for bf16/fp16);
+        dropout masks are 1 byte per element. For an MHA/GELU/ffn=4h model with dropout this
+        gives replicated 10h and split 24h, i.e. Korthikanti's 34h = attention 11h + MLP 19h +
+        norms 4h. The s×s attention-score term is separate (see activation_bytes_per_layer).
+        """
+        h, a, B = self.hidden_size, self.num_heads, act_bytes
+        mask = 1 if self.dropout else 0
+        d_qk, d_v, kv = self.head_dim_resolved, self.v_head_dim_resolved, self.kv_heads
+        terms: dict[str, tuple[float, str]] = {
+            # Both pre-norms keep their input for their backward: 2 × B·h (Korthikanti 4sbh).
+            "norm_inputs": (2 * B * h, "replicated"),
+            # Attention block (Korthikanti 11sbh for MHA): QKV GEMM input B·h; Q and K for
+            # the score backward; V for the probs·V backward; output-projection input;
+            # dropout mask after the output projection.
+            "attn_qkv_input": (B * h, "replicated"),
+            "attn_q": (B * a * d_qk, "split"),
+            "attn_k": (B * kv * d_qk, "split"),
+            "attn_v": (B * kv * d_v, "split"),
+            "attn_proj_input": (B * a * d_v, "split"),
+            "attn_dropout_mask": (mask * h, "replicated"),
+        }
+        if self.mla is not None:
+            # Latent tensors: norm input and up-projection input for each compressed path
+            # (the down-projections are not tensor-parallel in Megatron).
+            m = self.mla
+            latent = m.kv_lora_rank + (m.q_lora_rank or 0)
+            terms["mla_latents"] = (2 * B * latent, "replicated")
+        # MLP block (Korthikanti 19sbh for GELU, ffn=4h): input B·h, dropout mask h, and the
+        # intermediate tensors: GELU keeps fc1 output and GELU output (2·B·f); SwiGLU keeps
+        # gate and up outputs and their product (3·B·f).
+        per_ffn = 3 if self.mlp == "swiglu" else 2
+        terms["mlp_input"] = (B * h, "replicated")
+        terms["mlp_dropout_mask"] = (mask * h, "replicated")
+        if self.is_moe_layer(i):
+            assert self.moe is not None
+            k = self.moe.top_k
+            # Router probabilities in fp32 (4 bytes × experts); each of the top_k token copies
+            # is stored as expert input (B·h) and expert output (B·h, for the gate-weight
+            # gradient of the weighted combine), plus its expert's intermediate tensors.
+            terms["router_probs"] = (4 * self.moe.num_experts, "replicated")
+            terms["expert_inputs_outputs"] = (2 * k * B * h, "replicated")
+            terms["expert_intermediate"] = (
+                k * per_ffn * B * self.moe.expert_ffn_hidden_size,
+                "split",
+            )
+            terms["shared_expert_intermediate"] = (
+                self.moe.num_shared_experts * per_ffn * B * self.moe.shared_ffn_resolved,
+                "split",
+            )
+        else:
+            terms["mlp_intermediate"] = (per_ffn * B * self.ffn_hidden_size, "split")
+        return terms
+
+    def activation_bytes_per_layer(
+        self,
+        i: int,
+        micro_batch_size: int,
+        tp: int = 1,
+        sequence_parallel: bool = False,
+        recompute: RecomputeMode = "none",
+        flash_attention: bool = True,
+        cp: int = 1,
+        act_bytes: int = 2,
+    ) -> float:
+        """Activation bytes layer ``i`` keeps for its backward, per device (Korthikanti Table 2).
+
+        With s = seq_len/cp (local sequence), b = micro_batch_size, t = tp:
+        - none: s·b·(R + S/t) + score, where R, S are the replicated and split per-token
+          terms of activation_terms_per_token() (R is also /t with sequence parallel);
+          score = 5·a·s_q·s_kv·b/t bytes (softmax output 2, dropout mask 1, dropout output 2;
+          2·a·s_q·s_kv·b/t without dropout), s_q = s, s_kv = seq_len (each local query's
+          scores against all keys). Not stored with flash_attention (the O(a·s·b) softmax
+          statistics are ignored). GPT MHA/GELU/4h, cp=1: sbh(34 + 5as/h) with t=1;
+          sbh(10 + 24/t + 5as/(ht)) with TP; sbh/t·(34 + 5as/h) with TP+SP.
+        - selective: as none without the score term (34·sbh/t with TP+SP).
+        - full: only the layer input, act_bytes·s·b·h (/t with sequence parallel) = 2sbh.
+        """
+        if recompute not in _RECOMPUTE_MODES:
+            raise ValueError(f"recompute: {recompute!r} is not one of: none, selective, full")
+        for name, value in (("micro_batch_size", micro_batch_size), ("tp", tp), ("cp", cp)):
+            if value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        s_local = self.seq_len / cp
+        sb = s_local * micro_batch_size
+        rep_div = tp if sequence_parallel else 1
+        if recompute == "full":
+            return act_bytes * sb * self.hidden_size / rep_div
+        replicated = split = 0.0
+        for per_token, kind in self.activation_terms_per_token(i, act_bytes).values():
+            if kind == "replicated":
+                replicated += per_token
+            else:
+                split += per_token
+        total = sb * (replicated / rep_div + split / tp)
+        if recompute == "none" and not flash_attention:
+            per_score = (2 * act_bytes + 1) if self.dropout else act_bytes
+            total += per_score * self.num_heads * sb * self.seq_len / tp
+        return total
+
+    # ------------------------------------------------------------------ report
+    def summary(self) -> dict[str, object]:
+        """Plain-data description for the CLI (counts in elements, FLOPs per token)."""
+        if self.mla is not None:
+            attention = "mla"
+        else:
+            attention = "mha" if self.kv_heads == self.num_heads else "gqa"
+        return {
+            "name": self.name,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.kv_heads,
+            "head_dim": self.head_dim_resolved,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "vocab_size": self.vocab_size,
+            "seq_len": self.seq_len,
+            "mlp": self.mlp,
+            "attention": attention,
+            "num_moe_layers": self.num_moe_layers,
+            "num_experts": self.moe.num_experts if self.moe else 0,
+            "top_k": self.moe.top_k if self.moe else 0,
+            "num_params": self.num_params(),
+            "num_active_params": self.num_active_params(),
+            "num_embedding_params": self.embedding_params(),
+            "matmul_params_active_per_token": self.matmul_params_active_per_token(),
+            "model_flops_per_token": self.model_flops_per_token(),
+        }

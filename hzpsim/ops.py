@@ -1,0 +1,281 @@
+"""OpGraph: what every simulated device does in one training run, as a DAG of Ops.
+
+Strategies build OpGraphs; the engine replays them without knowing which strategy made them.
+
+- A **compute** op runs on one rank's stream and carries FLOPs by efficiency class
+  (``gemm``, ``attention``, ...) plus the bytes it moves through device memory (roofline).
+- A **collective** op is ONE node spanning its group: ``group`` names the full set of real ranks
+  whose placement sets the cost; ``ranks`` are the simulated participants that must all reach
+  it (the rendezvous). Under symmetry a 1,024-rank all-gather may have a single participant.
+- ``deps`` are data dependencies; ops on the same (rank, stream) also run in the order they were
+  added (one op in flight per stream, as in ASTRA-sim).
+- ``alloc`` is memory taken on each participating rank when the op starts and ``free`` memory
+  returned when it ends, by category (params, grads, optimizer, activations, buffers, other).
+
+Sizes follow the NCCL-tests convention: ``size_bytes`` is the full buffer of an all-gather /
+reduce-scatter (count x ranks x dtype), the per-rank buffer of an all-reduce or all-to-all, and
+the message of a send/recv.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+COMPUTE = "compute"
+COLLECTIVE = "collective"
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
+
+MemoryDelta = tuple[tuple[str, float], ...]
+
+
+class GraphError(ValueError):
+    """A malformed OpGraph: a cycle, an unknown dependency, a collective that cannot assemble."""
+
+
+class Op:
+    """One unit of work. Plain slots object: a large graph holds hundreds of thousands."""
+
+    __slots__ = (
+        "id",
+        "kind",
+        "name",
+        "category",
+        "stream",
+        "ranks",
+        "deps",
+        "flops",
+        "bytes_accessed",
+        "collective",
+        "group",
+        "size_bytes",
+        "alloc",
+        "free",
+        "step",
+    )
+
+    def __init__(
+        self,
+        id: int,
+        kind: str,
+        name: str,
+        category: str,
+        stream: str,
+        ranks: tuple[int, ...],
+        deps: tuple[int, ...],
+        flops: tuple[tuple[str, float], ...] = (),
+        bytes_accessed: float = 0.0,
+        collective: str | None = None,
+        group: str | None = None,
+        size_bytes: float = 0.0,
+        alloc: MemoryDelta = (),
+        free: MemoryDelta = (),
+        step: int = 0,
+    ) -> None:
+        self.id = id
+        self.kind = kind
+        self.name = name
+        self.category = category
+        self.stream = stream
+        self.ranks = ranks
+        self.deps = deps
+        self.flops = flops
+        self.bytes_accessed = bytes_accessed
+        self.collective = collective
+        self.group = group
+        self.size_bytes = size_bytes
+        self.alloc = alloc
+        self.free = free
+        self.step = step
+
+    @property
+    def total_flops(self) -> float:
+        return sum(f for _, f in self.flops)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {s: getattr(self, s) for s in self.__slots__}
+
+
+def _delta(memory: Mapping[str, float] | None) -> MemoryDelta:
+    if not memory:
+        return ()
+    for category in memory:
+        assert category in MEMORY_CATEGORIES, category
+    return tuple((k, float(v)) for k, v in memory.items() if v)
+
+
+class OpGraph:
+    """A DAG of Ops for a set of simulated ranks, each standing for ``weight`` real devices."""
+
+    def __init__(
+        self,
+        num_devices: int,
+        weights: Mapping[int, int],
+        compute_dtype: str,
+        meta: Mapping[str, Any] | None = None,
+    ) -> None:
+        assert sum(weights.values()) == num_devices, "simulated ranks must cover every device"
+        self.num_devices = num_devices
+        self.weights = dict(sorted(weights.items()))
+        self.compute_dtype = compute_dtype
+        self.meta: dict[str, Any] = dict(meta or {})
+        self.ops: list[Op] = []
+        self.groups: dict[str, tuple[int, ...]] = {}
+        self.static_memory: dict[int, dict[str, float]] = {r: {} for r in self.weights}
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(self.weights)
+
+    def add_group(self, name: str, ranks: Sequence[int]) -> str:
+        members = tuple(sorted(ranks))
+        if name in self.groups:
+            assert self.groups[name] == members, f"group {name} redefined"
+        else:
+            self.groups[name] = members
+        return name
+
+    def add_static(self, rank: int, memory: Mapping[str, float]) -> None:
+        """Memory resident for the whole run (model states), by category."""
+        for category, size in _delta(memory):
+            self.static_memory[rank][category] = self.static_memory[rank].get(category, 0.0) + size
+
+    def compute(
+        self,
+        rank: int,
+        name: str,
+        category: str,
+        flops: Mapping[str, float],
+        deps: Iterable[int | None] = (),
+        bytes_accessed: float = 0.0,
+        stream: str = "compute",
+        alloc: Mapping[str, float] | None = None,
+        free: Mapping[str, float] | None = None,
+        step: int = 0,
+    ) -> int:
+        op = Op(
+            len(self.ops),
+            COMPUTE,
+            name,
+            category,
+            stream,
+            (rank,),
+            tuple(sorted({d for d in deps if d is not None})),
+            flops=tuple((k, float(v)) for k, v in flops.items() if v),
+            bytes_accessed=float(bytes_accessed),
+            alloc=_delta(alloc),
+            free=_delta(free),
+            step=step,
+        )
+        self.ops.append(op)
+        return op.id
+
+    def collective(
+        self,
+        kind: str,
+        group: str,
+        participants: Sequence[int],
+        size_bytes: float,
+        name: str,
+        category: str,
+        stream: str,
+        deps: Iterable[int | None] = (),
+        alloc: Mapping[str, float] | None = None,
+        free: Mapping[str, float] | None = None,
+        step: int = 0,
+    ) -> int:
+        assert kind in COLLECTIVE_KINDS, kind
+        assert group in self.groups, group
+        op = Op(
+            len(self.ops),
+            COLLECTIVE,
+            name,
+            category,
+            stream,
+            tuple(sorted(participants)),
+            tuple(sorted({d for d in deps if d is not None})),
+            collective=kind,
+            group=group,
+            size_bytes=float(size_bytes),
+            alloc=_delta(alloc),
+            free=_delta(free),
+            step=step,
+        )
+        self.ops.append(op)
+        return op.id
+
+    # ----------------------------------------------------------------- checks and export
+
+    def validate(self) -> None:
+        """Raise GraphError for unknown dependencies, cycles or inconsistent groups."""
+        n = len(self.ops)
+        indegree = [0] * n
+        children: list[list[int]] = [[] for _ in range(n)]
+        for op in self.ops:
+            for d in op.deps:
+                if not 0 <= d < n:
+                    raise GraphError(f"op {op.id} ({op.name}) depends on unknown op {d}")
+                indegree[op.id] += 1
+                children[d].append(op.id)
+            for r in op.ranks:
+                if r not in self.weights:
+                    raise GraphError(f"op {op.id} ({op.name}) runs on rank {r}, which is not simulated")
+            if op.kind == COLLECTIVE:
+                members = self.groups.get(op.group or "")
+                if members is None:
+                    raise GraphError(f"op {op.id} ({op.name}) uses unknown group {op.group!r}")
+                member_set = set(members)
+                outside = [r for r in op.ranks if r not in member_set]
+                if outside or not op.ranks:
+                    raise GraphError(
+                        f"op {op.id} ({op.name}): participants {list(op.ranks)[:4]} are not all in group {op.group}"
+                    )
+        ready = [i for i in range(n) if indegree[i] == 0]
+        seen = 0
+        while ready:
+            i = ready.pop()
+            seen += 1
+            for c in children[i]:
+                indegree[c] -= 1
+                if indegree[c] == 0:
+                    ready.append(c)
+        if seen != n:
+            stuck = [self.ops[i].name for i in range(n) if indegree[i] > 0][:3]
+            raise GraphError(f"dependency cycle among ops, e.g. {', '.join(stuck)}")
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "num_devices": self.num_devices,
+                "weights": {str(k): v for k, v in self.weights.items()},
+                "compute_dtype": self.compute_dtype,
+                "meta": self.meta,
+                "groups": {k: list(v) for k, v in self.groups.items()},
+                "static_memory": {str(k): v for k, v in self.static_memory.items()},
+                "ops": [op.to_dict() for op in self.ops],
+            },
+            sort_keys=True,
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> OpGraph:
+        data = json.loads(text)
+        graph = cls(
+            data["num_devices"],
+            {int(k): v for k, v in data["weights"].items()},
+            data["compute_dtype"],
+            data["meta"],
+        )
+        graph.groups = {k: tuple(v) for k, v in data["groups"].items()}
+        graph.static_memory = {int(k): v for k, v in data["static_memory"].items()}
+        for raw in data["ops"]:
+            raw = dict(raw)
+            for key in ("ranks", "deps"):
+                raw[key] = tuple(raw[key])
+            for key in ("flops", "alloc", "free"):
+                raw[key] = tuple((a, b) for a, b in raw[key])
+            graph.ops.append(Op(**raw))
+        return graph

@@ -1,0 +1,70 @@
+"""Find the YAML presets shipped in ``workloads/`` and ``topologies/``.
+
+In a checkout they sit at the top of the repository; in an installed wheel they are copied into
+``hzpsim/_presets/`` (see ``pyproject.toml``). A user folder (``$HZPSIM_CONFIG_DIR`` or
+``~/.config/hzpsim``) is searched first, so that ``hzpsim calibrate`` can write ``local-cpu``
+there and never into the installed package.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from hzpsim.config import ScenarioError
+
+Kind = Literal["workloads", "topologies"]
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def user_config_dir() -> Path:
+    """Where files written by ``hzpsim calibrate`` go unless the user names a path."""
+    env = os.environ.get("HZPSIM_CONFIG_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "hzpsim"
+
+
+def preset_dirs(kind: Kind) -> list[Path]:
+    """Folders searched for presets of ``kind``, highest priority first."""
+    candidates = [
+        user_config_dir() / kind,
+        _PACKAGE_DIR / "_presets" / kind,  # installed wheel
+        _PACKAGE_DIR.parent / kind,  # source checkout
+    ]
+    return [d for d in candidates if d.is_dir()]
+
+
+def list_presets(kind: Kind) -> list[str]:
+    names: set[str] = set()
+    for folder in preset_dirs(kind):
+        names.update(p.stem for p in folder.glob("*.yaml"))
+    return sorted(names)
+
+
+def read_yaml(path: Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return yaml.safe_load(handle)
+    except OSError as exc:
+        raise ScenarioError(f"{path}: cannot read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+
+
+def load_preset(kind: Kind, name: str, path: str) -> dict[str, Any]:
+    """The mapping stored in preset ``name``; ``path`` names the scenario key for errors."""
+    for folder in preset_dirs(kind):
+        candidate = folder / f"{name}.yaml"
+        if candidate.is_file():
+            data = read_yaml(candidate)
+            if not isinstance(data, dict):
+                raise ScenarioError(f"{candidate}: a preset must be a mapping")
+            return dict(data)
+    known = ", ".join(list_presets(kind)) or "none"
+    raise ScenarioError(f"{path}: unknown preset '{name}' (known: {known})")

@@ -1,0 +1,232 @@
+"""From a Trace to the numbers people plan with (DESIGN §5 JSON contract).
+
+Every definition here is DESIGN §5's:
+
+- ``step_time_s``: time between the ends of the last two optimizer steps (the optimizer op
+  closes a step on every rank), i.e. one steady-state step.
+- ``mfu``: model FLOPs per step (PaLM: 6 x active matmul params + 12 L a d s per token) over
+  step_time x devices x the dense peak of the GEMM dtype; ``hfu`` adds recompute FLOPs on the
+  same basis.
+- ``overlap_fraction`` / ``exposed_comm_s``: on each simulated rank, within the reported step,
+  the union of time its communication ops are in flight, split into the part covered by its
+  compute stream being busy (hidden) and the rest (exposed). The worst rank is reported.
+- ``memory_breakdown_bytes``: the categories at the instant of the peak, on the worst rank.
+- ``comm_bytes_per_device``: bytes one device sends in the reported step, by the level crossed
+  (intra_node = island + between-island; inter_node = leaf + spine), worst rank.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from hzpsim.model import Model
+from hzpsim.ops import COMPUTE, MEMORY_CATEGORIES, Op
+from hzpsim.sim.collectives import INTER_NODE_LEVELS, INTRA_NODE_LEVELS
+from hzpsim.sim.engine import Trace
+from hzpsim.training import Training
+
+JSON_KEYS = (
+    "step_time_s",
+    "tokens_per_s",
+    "tokens_per_s_per_device",
+    "tflops_per_device",
+    "mfu",
+    "hfu",
+    "peak_memory_bytes",
+    "memory_capacity_bytes",
+    "memory_breakdown_bytes",
+    "fits_in_memory",
+    "exposed_comm_s",
+    "overlap_fraction",
+    "bubble_fraction",
+    "comm_bytes_per_device",
+    "strategy_resolved",
+    "num_devices",
+    "sim_wall_s",
+    "num_events",
+)
+
+
+def _union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def step_boundaries(trace: Trace) -> list[float]:
+    """End time of each optimizer step (latest optimizer op across ranks)."""
+    ends: dict[int, float] = {}
+    for op in trace.graph.ops:
+        if op.category == "optimizer":
+            ends[op.step] = max(ends.get(op.step, 0.0), trace.end_s[op.id])
+    return [ends[k] for k in sorted(ends)]
+
+
+def memory_peak(trace: Trace, rank: int) -> tuple[float, dict[str, float]]:
+    """Peak bytes on ``rank`` and the breakdown by category at that instant."""
+    current = {c: 0.0 for c in MEMORY_CATEGORIES}
+    for category, size in trace.graph.static_memory[rank].items():
+        current[category] += size
+    peak, at_peak = sum(current.values()), dict(current)
+    events = trace.memory_events[rank]
+    i = 0
+    while i < len(events):
+        now = events[i][0]
+        while i < len(events) and events[i][0] == now:
+            current[events[i][1]] += events[i][2]
+            i += 1
+        total = sum(current.values())
+        if total > peak:
+            peak, at_peak = total, dict(current)
+    return peak, at_peak
+
+
+def ops_by_rank(trace: Trace) -> dict[int, list[Op]]:
+    out: dict[int, list[Op]] = {r: [] for r in trace.graph.weights}
+    for op in trace.graph.ops:
+        for r in op.ranks:
+            out[r].append(op)
+    return out
+
+
+def overlap(trace: Trace, ops: list[Op], window: tuple[float, float]) -> tuple[float, float]:
+    """(exposed, hidden) communication seconds of one rank's ``ops`` inside ``window``."""
+    lo, hi = window
+    compute, comm = [], []
+    for op in ops:
+        start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
+        if end <= start:
+            continue
+        (compute if op.kind == COMPUTE else comm).append((start, end))
+    busy, talking = _union(compute), _union(comm)
+    hidden = _intersection(busy, talking)
+    return _length(talking) - hidden, hidden
+
+
+def comm_bytes(trace: Trace, rank: int, step: int) -> dict[str, float]:
+    out = {"intra_node": 0.0, "inter_node": 0.0}
+    for op_id, plan in trace.plans.items():
+        op = trace.graph.ops[op_id]
+        if op.step != step or rank not in op.ranks:
+            continue
+        if op.collective == "send_recv" and op.ranks[0] != rank:
+            continue  # only the sender sends
+        for level, size in plan.bytes_by_level.items():
+            if level in INTRA_NODE_LEVELS:
+                out["intra_node"] += size
+            elif level == "leaf":  # spine bytes are a subset of the NIC (leaf) bytes
+                out["inter_node"] += size
+            else:
+                assert level in INTER_NODE_LEVELS
+    return out
+
+
+def build_report(trace: Trace, model: Model, training: Training, strategy_resolved: dict[str, Any]) -> dict[str, Any]:
+    graph = trace.graph
+    device = trace.topology.device
+    n = graph.num_devices
+    ends = step_boundaries(trace)
+    step_time = ends[-1] - ends[-2]
+    last_step = len(ends) - 1
+    window = (ends[-2], ends[-1])
+    tokens = training.global_batch_size * model.seq_len
+    peak_flops = device.peak_flops_per_s(graph.compute_dtype)
+    model_flops = model.model_flops_per_token() * tokens
+    recompute_flops = _recompute_model_flops_per_token(model, training.activation_recompute) * tokens
+    mfu = model_flops / (step_time * n * peak_flops)
+    hfu = (model_flops + recompute_flops) / (step_time * n * peak_flops)
+
+    peaks = {r: memory_peak(trace, r) for r in graph.weights}
+    worst = max(peaks, key=lambda r: (peaks[r][0], -r))
+    peak, breakdown = peaks[worst]
+
+    exposed_worst, comm_total, hidden_total = 0.0, 0.0, 0.0
+    by_rank = ops_by_rank(trace)
+    for r in graph.weights:
+        exposed, hidden = overlap(trace, by_rank[r], window)
+        if exposed >= exposed_worst:
+            exposed_worst = exposed
+        comm_total += (exposed + hidden) * graph.weights[r]
+        hidden_total += hidden * graph.weights[r]
+    bytes_by_rank = {r: comm_bytes(trace, r, last_step) for r in graph.weights}
+    busiest = max(bytes_by_rank, key=lambda r: (sum(bytes_by_rank[r].values()), -r))
+
+    report: dict[str, Any] = {
+        "step_time_s": step_time,
+        "tokens_per_s": tokens / step_time,
+        "tokens_per_s_per_device": tokens / step_time / n,
+        "tflops_per_device": model_flops / step_time / n / 1e12,
+        "mfu": mfu,
+        "hfu": hfu,
+        "peak_memory_bytes": peak,
+        "memory_capacity_bytes": device.memory_bytes,
+        "memory_breakdown_bytes": {c: breakdown[c] for c in MEMORY_CATEGORIES},
+        "fits_in_memory": peak <= device.memory_bytes,
+        "exposed_comm_s": exposed_worst,
+        "overlap_fraction": hidden_total / comm_total if comm_total > 0 else None,
+        "bubble_fraction": None,
+        "comm_bytes_per_device": bytes_by_rank[busiest],
+        "strategy_resolved": strategy_resolved,
+        "num_devices": n,
+        "sim_wall_s": trace.sim_wall_s,
+        "num_events": trace.num_events,
+    }
+    if graph.meta.get("pp", 1) > 1:
+        report["bubble_fraction"] = graph.meta.get("bubble_fraction")
+    report["memory_over_capacity_bytes"] = max(peak - device.memory_bytes, 0.0)
+    report["stream_utilization"] = stream_utilization(trace, by_rank[graph.ranks[0]], window)
+    return report
+
+
+def stream_utilization(trace: Trace, ops: list[Op], window: tuple[float, float]) -> dict[str, float]:
+    """Busy fraction of each stream of one simulated rank in the reported step."""
+    lo, hi = window
+    busy: dict[str, list[tuple[float, float]]] = {}
+    for op in ops:
+        start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
+        busy.setdefault(op.stream, []).append((start, end))
+    return {s: _length(_union(iv)) / (hi - lo) for s, iv in sorted(busy.items())}
+
+
+def _recompute_model_flops_per_token(model: Model, mode: str) -> float:
+    """Recompute FLOPs on the model-FLOPs basis (full attention): a forward of every layer for
+    full recompute, the attention core for selective."""
+    if mode == "none":
+        return 0.0
+    total = 0.0
+    for i in range(model.num_layers):
+        flops = model.layer_forward_flops(i, 1, causal=False)
+        total += flops["attention"]
+        if mode == "full":
+            total += flops["gemm"]
+    return total
+
+
+def to_json(report: dict[str, Any] | list[dict[str, Any]]) -> str:
+    return json.dumps(report, indent=2, sort_keys=True)

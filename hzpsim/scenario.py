@@ -1,0 +1,218 @@
+"""Scenario loading: presets, ``--set`` overrides, defaults and validation (DESIGN §5).
+
+A scenario is ``model`` x ``training`` x ``cluster`` x ``strategy`` (or a ``strategies:`` list
+for side-by-side comparison). ``model`` and ``cluster`` may be preset names or mappings that
+start from a ``preset`` and override fields. Every error is a :class:`ScenarioError` whose
+message names the key path; the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hzpsim import strategies
+from hzpsim.cluster.topology import ClusterSpec, Topology, build_topology
+from hzpsim.config import ScenarioError, from_mapping, to_mapping
+from hzpsim.model import Model
+from hzpsim.presets import load_preset, read_yaml
+from hzpsim.training import Training
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """One strategy of a scenario: its plugin name and typed config."""
+
+    name: str
+    config: Any
+
+    def resolved(self) -> dict[str, Any]:
+        return {"name": self.name, **to_mapping(self.config)}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    model: Model
+    training: Training
+    cluster: ClusterSpec
+    strategies: tuple[StrategyChoice, ...]
+    source: str = "<mapping>"
+
+    @property
+    def topology(self) -> Topology:
+        return build_topology(self.cluster)
+
+    def with_strategy(self, choice: StrategyChoice) -> Scenario:
+        return dataclasses.replace(self, strategies=(choice,))
+
+
+DEFAULT_SCENARIO: dict[str, Any] = {
+    "model": "llama2-70b",
+    "training": {
+        "global_batch_size": 1024,
+        "micro_batch_size": 1,
+        "activation_recompute": "full",
+    },
+    "cluster": {"preset": "dgx-h100", "num_nodes": 8},
+    "strategies": [
+        {"name": "zero", "stage": 1},
+        {"name": "zero", "stage": 2},
+        {"name": "zero", "stage": 3},
+    ],
+}
+
+_TOP_KEYS = ("name", "model", "training", "cluster", "strategy", "strategies")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``a.b=c`` -> (["a", "b"], parsed c). Values are YAML scalars or flow collections."""
+    if "=" not in text:
+        raise ScenarioError(f"--set {text!r}: expected KEY.PATH=VALUE")
+    key, raw = text.split("=", 1)
+    parts = [p for p in key.strip().split(".")]
+    if not key.strip() or any(not p for p in parts):
+        raise ScenarioError(f"--set {text!r}: empty key path")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def _apply_override(data: dict[str, Any], parts: list[str], value: Any, text: str) -> None:
+    if parts[0] == "strategy" and "strategies" in data:
+        raise ScenarioError(
+            f"--set {text}: the scenario has a 'strategies' list; use strategies.N.{'.'.join(parts[1:])}"
+        )
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ScenarioError(f"--set {text}: {where}: no list entry {part}")
+            child = node[int(part)]
+            if not isinstance(child, dict):
+                raise ScenarioError(f"--set {text}: {where} is not a mapping")
+            node = child
+            continue
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif isinstance(child, str) and depth == 0 and part in ("model", "cluster"):
+            child = node[part] = {"preset": child}
+        elif not isinstance(child, dict | list):
+            raise ScenarioError(f"--set {text}: {where} is {child!r}, not a mapping")
+        node = child
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ScenarioError(f"--set {text}: no list entry {last}")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _model_mapping(raw: Any) -> dict[str, Any]:
+    if raw is None:
+        raise ScenarioError("model: required (a preset name or a mapping)")
+    if isinstance(raw, str):
+        raw = {"preset": raw}
+    if not isinstance(raw, Mapping):
+        raise ScenarioError(f"model: expected a preset name or a mapping, got {raw!r}")
+    data = dict(raw)
+    preset = data.pop("preset", None)
+    if preset is not None:
+        if not isinstance(preset, str):
+            raise ScenarioError("model.preset: expected a preset name")
+        base = load_preset("workloads", preset, "model.preset")
+        if isinstance(base.get("moe"), dict) and isinstance(data.get("moe"), dict):
+            data["moe"] = {**base["moe"], **data["moe"]}
+        data = {**base, **data}
+    return data
+
+
+def _cluster_mapping(raw: Any) -> dict[str, Any]:
+    """A preset name becomes ``{preset: name}``; fields left out come from the preset (or the
+    device's usual fabric) when the topology is built (ClusterSpec.resolved)."""
+    if raw is None:
+        raise ScenarioError("cluster: required (a preset name or a mapping)")
+    if isinstance(raw, str):
+        return {"preset": raw}
+    if not isinstance(raw, Mapping):
+        raise ScenarioError(f"cluster: expected a preset name or a mapping, got {raw!r}")
+    return dict(raw)
+
+
+def _strategy_choice(raw: Any, path: str) -> StrategyChoice:
+    if isinstance(raw, str):
+        raw = {"name": raw}
+    if not isinstance(raw, Mapping):
+        raise ScenarioError(f"{path}: expected a mapping with a 'name'")
+    data = dict(raw)
+    name = data.pop("name", None)
+    if not isinstance(name, str):
+        known = ", ".join(strategies.available())
+        raise ScenarioError(f"{path}.name: required (one of: {known})")
+    plugin = strategies.get(name, f"{path}.name")
+    return StrategyChoice(name=name, config=from_mapping(plugin.Config, data, path))
+
+
+def scenario_from_mapping(raw: Any, overrides: Sequence[str] = (), source: str = "<mapping>") -> Scenario:
+    """Build and validate a Scenario from a plain mapping plus ``--set`` overrides."""
+    if not isinstance(raw, Mapping):
+        raise ScenarioError(f"{source}: a scenario must be a mapping")
+    data = copy.deepcopy(dict(raw))
+    for text in overrides:
+        parts, value = parse_override(text)
+        _apply_override(data, parts, value, text)
+    unknown = [k for k in data if k not in _TOP_KEYS]
+    if unknown:
+        raise ScenarioError(f"{unknown[0]}: unknown key (allowed: {', '.join(_TOP_KEYS)})")
+    if "strategy" in data and "strategies" in data:
+        raise ScenarioError("strategy: give either 'strategy' or 'strategies', not both")
+
+    model = from_mapping(Model, _model_mapping(data.get("model")), "model")
+    training = from_mapping(Training, data.get("training") or {}, "training")
+    cluster = from_mapping(ClusterSpec, _cluster_mapping(data.get("cluster")), "cluster")
+
+    if "strategies" in data:
+        entries = data["strategies"]
+        if not isinstance(entries, list) or not entries:
+            raise ScenarioError("strategies: expected a non-empty list")
+        choices = tuple(_strategy_choice(e, f"strategies[{i}]") for i, e in enumerate(entries))
+    elif "strategy" in data:
+        choices = (_strategy_choice(data["strategy"], "strategy"),)
+    else:
+        raise ScenarioError("strategy: required (or a 'strategies' list)")
+
+    try:
+        cluster = cluster.resolved()
+    except ValueError as exc:
+        raise ScenarioError(f"cluster.{exc}") from None
+    scenario = Scenario(model, training, cluster, choices, source)
+    topology = scenario.topology
+    for i, choice in enumerate(choices):
+        path = "strategy" if "strategy" in data else f"strategies[{i}]"
+        try:
+            strategies.get(choice.name).check(choice.config, model, training, topology)
+        except ScenarioError:
+            raise
+        except ValueError as exc:
+            raise ScenarioError(f"{path}.{exc}") from None
+    return scenario
+
+
+def load_scenario(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Scenario:
+    """Load a scenario file (or the built-in default when ``path`` is None)."""
+    if path is None:
+        return scenario_from_mapping(DEFAULT_SCENARIO, overrides, source="<default>")
+    file = Path(path)
+    if not file.is_file():
+        raise ScenarioError(f"{path}: no such scenario file")
+    return scenario_from_mapping(read_yaml(file) or {}, overrides, source=str(path))

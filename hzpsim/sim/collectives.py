@@ -1,0 +1,193 @@
+"""Cost of one collective on its group's placement: NCCL's own model, level by level.
+
+The rule, stated once (docs/design.md repeats it):
+
+1. **Algorithm.** All-gather and reduce-scatter use a ring (NCCL's only algorithm for them on
+   NVLink + InfiniBand clusters without NVLS/SHARP). All-reduce uses a ring or, when the group
+   spans several nodes, NCCL's double binary tree, whichever NCCL's tuner estimates faster.
+   All-to-all and send/recv are point-to-point.
+2. **Protocol.** LL, LL128 or Simple, again the one NCCL's tuner estimates fastest for the size.
+3. **Latency** follows ``src/graph/tuning.cc`` (docs/hardware-constants.md §3): a base latency
+   per algorithm and protocol plus a per-step hardware latency, where ring steps that cross a
+   node boundary pay the network latency and the rest the NVLink-class latency. The topology's
+   ``link(level).latency_s`` is the ring/Simple step latency of that level; the other
+   algorithms and protocols scale it by NCCL's own ratios.
+4. **Bandwidth.** Each rank's bytes are split by the topology level they cross, for a ring laid
+   out in rank order with NCCL's rail-striped channels: of the bytes a rank sends, the fraction
+   1/g_island leaves its island, 1/g_node leaves its node (g = the group's ranks per island /
+   node). Bytes on a level move at that level's achieved per-device bandwidth, derated by the
+   protocol (LL 1/4, LL128 0.92, tree 0.92 x 0.85, as in NCCL's tuner); levels work in parallel
+   and share links with every other transfer in flight (``network.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from hzpsim.cluster.topology import GroupSpan, Topology
+
+# NCCL src/graph/tuning.cc (commit b6475625, NCCL 2.19/2.20 era), microseconds.
+# baseLat[algo][proto] and hwLat[link][algo][proto], protocols in order LL, LL128, Simple.
+PROTOCOLS = ("LL", "LL128", "Simple")
+_BASE_LATENCY_US = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 0.0)}
+_HW_LATENCY_US = {
+    ("nvlink", "ring"): (0.6, 1.9, 3.4),
+    ("nvlink", "tree"): (0.6, 1.25, 28.0),
+    ("net", "ring"): (2.7, 4.0, 14.0),
+    ("net", "tree"): (5.0, 8.5, 28.0),
+}
+# NCCL's bandwidth derating per protocol (ring LL x1/4, LL128 x0.92; tree x0.92 then x0.85).
+_RING_PROTOCOL_BW = (0.25, 0.92, 1.0)
+_TREE_BW = 0.92 * 0.85
+_TREE_PROTOCOL_BW = (1 / 3.8, 120 / 128, 1.0)
+
+INTRA_NODE_LEVELS = ("island", "node")
+INTER_NODE_LEVELS = ("leaf", "spine")
+
+
+@dataclass(frozen=True)
+class CollectivePlan:
+    """How one rank experiences a collective: a fixed latency, then bandwidth-bound bytes."""
+
+    algorithm: str
+    protocol: str
+    latency_s: float
+    bytes_by_level: dict[str, float]  # bytes this rank sends across each level (reported)
+    demand_by_level: dict[str, float]  # bytes / protocol efficiency: what occupies the link
+    isolated_time_s: float  # latency + bandwidth time with no other traffic
+
+
+def _link_class(level: str) -> str:
+    return "net" if level in INTER_NODE_LEVELS else "nvlink"
+
+
+def _ring_split(volume: float, span: GroupSpan) -> dict[str, float]:
+    """Split a ring's per-rank bytes by the level each hop crosses."""
+    beyond_island = 1.0 / span.max_ranks_per_island if span.num_islands > 1 else 0.0
+    beyond_node = 1.0 / span.max_ranks_per_node if span.num_nodes > 1 else 0.0
+    beyond_leaf = span.num_leaves / span.num_ranks if span.num_leaves > 1 else 0.0
+    split = {
+        "island": volume * (1.0 - beyond_island),
+        "node": volume * (beyond_island - beyond_node),
+        "leaf": volume * beyond_node,
+    }
+    if beyond_leaf:
+        split["spine"] = volume * beyond_leaf
+    return {k: v for k, v in split.items() if v > 0}
+
+
+def _outermost(span: GroupSpan) -> str:
+    if span.num_leaves > 1:
+        return "spine"
+    if span.num_nodes > 1:
+        return "leaf"
+    if span.num_islands > 1:
+        return "node"
+    return "island"
+
+
+class CollectiveModel:
+    """Plans collectives on one topology; plans are cached by (kind, size, group shape)."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._plan = lru_cache(maxsize=None)(self._plan_uncached)
+
+    def bandwidth(self, level: str) -> float:
+        return self.topology.link(level).achieved_bytes_per_s
+
+    def plan(self, kind: str, size_bytes: float, span: GroupSpan, pair_level: str | None = None) -> CollectivePlan:
+        return self._plan(kind, float(size_bytes), span, pair_level)
+
+    # ------------------------------------------------------------------ internals
+
+    def _step_latency_us(self, algo: str, proto: int, level: str) -> float:
+        """NCCL's hwLat for this link class, algorithm and protocol, scaled so that a ring /
+        Simple step costs the topology's per-step latency of the level (the presets use NCCL's
+        own 3.4 us NVLink and 14 us network values, which reproduces NCCL's table exactly)."""
+        table = _HW_LATENCY_US[(_link_class(level), algo)][proto]
+        ring_simple = _HW_LATENCY_US[(_link_class(level), "ring")][2]
+        return table / ring_simple * self.topology.link(level).latency_s * 1e6
+
+    def _ring_latency_us(self, span: GroupSpan, proto: int, passes: int) -> float:
+        n = span.num_ranks
+        steps = passes * (n - 1)
+        inter_node = passes * (span.num_nodes - 1)
+        inter_island = passes * (span.num_islands - span.num_nodes)
+        intra = steps - inter_node - inter_island
+        outer = "spine" if span.num_leaves > 1 else "leaf"
+        return (
+            _BASE_LATENCY_US["ring"][proto]
+            + intra * self._step_latency_us("ring", proto, "island")
+            + inter_island * self._step_latency_us("ring", proto, "node")
+            + inter_node * self._step_latency_us("ring", proto, outer)
+        )
+
+    def _tree_latency_us(self, span: GroupSpan, proto: int) -> float:
+        per_node = span.max_ranks_per_node
+        outer = "spine" if span.num_leaves > 1 else "leaf"
+        return _BASE_LATENCY_US["tree"][proto] + 2 * (
+            (per_node - 1) * self._step_latency_us("tree", proto, "island")
+            + math.log2(span.num_nodes) * self._step_latency_us("tree", proto, outer)
+        )
+
+    def _best(self, algorithm: str, options: list[tuple[int, float, dict[str, float], float]],
+              bytes_by_level: dict[str, float]) -> CollectivePlan:
+        best = None
+        for proto, latency_us, demands, factor in options:
+            scaled = {lvl: b / factor for lvl, b in demands.items()}
+            bw_time = max((b / self.bandwidth(lvl) for lvl, b in scaled.items()), default=0.0)
+            total = latency_us * 1e-6 + bw_time
+            if best is None or total < best.isolated_time_s:
+                best = CollectivePlan(algorithm, PROTOCOLS[proto], latency_us * 1e-6,
+                                      dict(bytes_by_level), scaled, total)
+        assert best is not None
+        return best
+
+    def _plan_uncached(self, kind: str, size: float, span: GroupSpan, pair_level: str | None) -> CollectivePlan:
+        n = span.num_ranks
+        if kind == "send_recv":
+            level = pair_level or "island"
+            latency_us = _BASE_LATENCY_US["ring"][2] + self._step_latency_us("ring", 2, level)
+            demands = {level: size}
+            return self._best("p2p", [(2, latency_us, demands, 1.0)], demands)
+        if n <= 1 or size <= 0:
+            return CollectivePlan("none", "none", 0.0, {}, {}, 0.0)
+        if kind == "all_to_all":
+            per_peer = size / n
+            demands = {
+                "island": per_peer * (span.max_ranks_per_island - 1),
+                "node": per_peer * (span.max_ranks_per_node - span.max_ranks_per_island),
+                "leaf": per_peer * (n - span.max_ranks_per_node),
+            }
+            if span.num_leaves > 1:
+                demands["spine"] = per_peer * (n - n / span.num_leaves)
+            demands = {k: v for k, v in demands.items() if v > 0}
+            latency_us = _BASE_LATENCY_US["ring"][2] + self._step_latency_us("ring", 2, _outermost(span))
+            return self._best("pairwise", [(2, latency_us, demands, 1.0)], demands)
+
+        passes = 2 if kind == "all_reduce" else 1
+        volume = passes * (n - 1) / n * size
+        ring = _ring_split(volume, span)
+        ring_plan = self._best(
+            "ring",
+            [(p, self._ring_latency_us(span, p, passes), ring, _RING_PROTOCOL_BW[p]) for p in range(3)],
+            ring,
+        )
+        if kind != "all_reduce" or span.num_nodes == 1:
+            return ring_plan
+        # NCCL tree all-reduce: chain inside the node, double binary tree across nodes.
+        per_node = span.max_ranks_per_node
+        tree = {"leaf": 2 * size / per_node}
+        if per_node > 1:
+            tree["island"] = 2 * size
+        if span.num_leaves > 1:
+            tree["spine"] = 2 * size / per_node
+        tree_plan = self._best(
+            "tree",
+            [(p, self._tree_latency_us(span, p), tree, _TREE_BW * _TREE_PROTOCOL_BW[p]) for p in range(3)],
+            tree,
+        )
+        return tree_plan if tree_plan.isolated_time_s < ring_plan.isolated_time_s else ring_plan

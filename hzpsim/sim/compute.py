@@ -1,0 +1,72 @@
+"""Time of a compute op: per kernel class, achieved fraction of the device's peak.
+
+A compute op carries FLOPs by class (``gemm``, ``attention``) and the bytes its memory-bound
+kernels (norms, activations, residual adds, optimizer updates) move through HBM. Its time is
+
+    sum_c flops_c / (peak(dtype) x efficiency_c)  +  bytes_accessed / (HBM bytes/s x efficiency_hbm)
+
+GEMMs and flash attention at training sizes are compute-bound and the memory-bound kernels run
+as separate kernels, so their times add (a roofline per kernel class). Every efficiency is a
+measured fraction from docs/hardware-constants.md; none is fitted to a training run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from hzpsim.cluster.devices import Device
+from hzpsim.ops import Op
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fraction of peak per kernel class on one device, with its source."""
+
+    gemm: float  # large dense GEMM, fraction of the dense peak of the GEMM dtype
+    attention_forward: float  # flash-attention forward kernel
+    attention_backward: float  # flash-attention backward kernel
+    hbm: float  # streaming kernels, fraction of the HBM bandwidth
+    source: str
+
+
+# docs/hardware-constants.md §1 (GEMM: stas00/ml-engineering "Maximum Achievable Matmul FLOPS"),
+# §2 (FlashAttention-2 paper on A100, FlashAttention-3 paper on H100), §4 (HBM: ~0.87-0.90).
+_FA2_A100 = (0.73, 0.63)  # Dao 2023 §1: up to 73 % forward, 63 % backward of peak
+_FA3_H100 = (0.75, 0.50)  # Shah et al. 2024: 740 TF/s forward (75 %); backward 1.5-1.75x FA2-on-H100 [INF]
+EFFICIENCY: dict[str, Efficiency] = {
+    "a100-40gb": Efficiency(0.869, *_FA2_A100, 0.87, "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %"),
+    "a100-80gb": Efficiency(0.869, *_FA2_A100, 0.87, "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %"),
+    "h100-sxm": Efficiency(0.803, *_FA3_H100, 0.90, "MAMF H100 SXM 794/989 TF; FA3 paper; FlashMLA H800 3000/3350 GB/s"),
+    "h200": Efficiency(0.803, *_FA3_H100, 0.90, "MAMF: 'H200 is the same' as H100; FA3 paper; FlashMLA"),
+    "mi250x": Efficiency(0.767, *_FA2_A100, 0.87, "MAMF MI250X GCD 147/191.5 TF; FA2-class kernels [INF]"),
+    "v100": Efficiency(0.85, 0.60, 0.50, 0.87, "[INF] V100 PCIe ~90 % (forum); no flash kernels on V100"),
+    "npu-910b": Efficiency(0.80, 0.60, 0.50, 0.87, "[INF] H100-class fractions; 910B peak not sourced"),
+    "cpu-local": Efficiency(1.0, 1.0, 1.0, 1.0, "peaks are this machine's measured rates"),
+}
+
+
+def efficiency_for(device: Device) -> Efficiency:
+    return EFFICIENCY[device.name]
+
+
+class ComputeModel:
+    """Maps a compute op to seconds on one device type."""
+
+    def __init__(self, device: Device, dtype: str, efficiency: Efficiency | None = None) -> None:
+        self.device = device
+        self.efficiency = efficiency or efficiency_for(device)
+        self.peak_flops_per_s = device.peak_flops_per_s(dtype)
+        eff = self.efficiency
+        self._rate: Mapping[str, float] = {
+            "gemm": self.peak_flops_per_s * eff.gemm,
+            "attention_forward": self.peak_flops_per_s * eff.attention_forward,
+            "attention_backward": self.peak_flops_per_s * eff.attention_backward,
+        }
+        self._hbm_bytes_per_s = device.memory_bytes_per_s * eff.hbm
+
+    def duration_s(self, op: Op) -> float:
+        seconds = op.bytes_accessed / self._hbm_bytes_per_s
+        for kind, flops in op.flops:
+            seconds += flops / self._rate[kind]
+        return seconds

@@ -1,0 +1,183 @@
+"""The engine: replay an OpGraph in SimPy, strategy-blind.
+
+Each simulated rank has one SimPy process per stream (``compute`` and whatever communication
+streams the graph names). A stream runs its ops in the order they were added, one at a time,
+each after its dependencies. A collective starts when every participant's stream has reached it
+(rendezvous), waits its latency, then pushes each participant's bytes through the shared
+links (:mod:`hzpsim.sim.network`). Memory is recorded as a timeline of allocations and frees.
+
+If the run ends with ops left undone (a collective whose group never assembles, or streams
+that wait on each other in opposite orders) the engine raises :class:`GraphError` naming them;
+it never hangs, because SimPy stops when no event is left.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import simpy
+
+from hzpsim.cluster.topology import GroupSpan, Topology
+from hzpsim.ops import COMPUTE, GraphError, Op, OpGraph
+from hzpsim.sim.collectives import CollectiveModel, CollectivePlan
+from hzpsim.sim.compute import ComputeModel, Efficiency
+from hzpsim.sim.network import Network, Resource
+
+UNDONE = -1.0
+
+
+@dataclass
+class Trace:
+    """What happened: start and end of every op, plans of collectives, memory timelines."""
+
+    graph: OpGraph
+    topology: Topology
+    start_s: list[float]
+    end_s: list[float]
+    plans: dict[int, CollectivePlan]
+    memory_events: dict[int, list[tuple[float, str, float]]]  # rank -> (time, category, delta)
+    num_events: int
+    sim_wall_s: float
+    spans: dict[str, GroupSpan] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, graph: OpGraph, topology: Topology, efficiency: Efficiency | None = None) -> None:
+        graph.validate()
+        self.graph = graph
+        self.topology = topology
+        self.env = simpy.Environment()
+        self.compute_model = ComputeModel(topology.device, graph.compute_dtype, efficiency)
+        self.collective_model = CollectiveModel(topology)
+        self.network = Network(self.env, self._capacity)
+        n = len(graph.ops)
+        self.start_s = [UNDONE] * n
+        self.end_s = [UNDONE] * n
+        self._waiters: dict[int, simpy.Event] = {}
+        self._arrived = [0] * n
+        self.plans: dict[int, CollectivePlan] = {}
+        self.spans = {name: topology.span(ranks) for name, ranks in graph.groups.items()}
+        self.memory_events: dict[int, list[tuple[float, str, float]]] = {r: [] for r in graph.weights}
+        self._capacity_cache: dict[str, float] = {}
+
+    def _capacity(self, resource: Resource) -> float:
+        level = resource[1]
+        if level not in self._capacity_cache:
+            self._capacity_cache[level] = self.topology.link(level).achieved_bytes_per_s
+        return self._capacity_cache[level]
+
+    # ------------------------------------------------------------------ processes
+
+    def _wait(self, op_id: int) -> simpy.Event:
+        event = self._waiters.get(op_id)
+        if event is None:
+            event = self._waiters[op_id] = self.env.event()
+        return event
+
+    def _memory(self, op: Op, delta: tuple[tuple[str, float], ...], sign: float) -> None:
+        now = self.env.now
+        for rank in op.ranks:
+            events = self.memory_events[rank]
+            for category, size in delta:
+                events.append((now, category, sign * size))
+
+    def _finish(self, op: Op) -> None:
+        self.end_s[op.id] = self.env.now
+        if op.free:
+            self._memory(op, op.free, -1.0)
+        event = self._waiters.pop(op.id, None)
+        if event is not None:
+            event.succeed()
+
+    def _stream(self, ops: list[Op]) -> Iterator[simpy.Event]:
+        end_s = self.end_s
+        for op in ops:
+            for d in op.deps:
+                if end_s[d] == UNDONE:
+                    yield self._wait(d)
+            if op.kind == COMPUTE:
+                self.start_s[op.id] = self.env.now
+                if op.alloc:
+                    self._memory(op, op.alloc, 1.0)
+                yield self.env.timeout(self.compute_model.duration_s(op))
+                self._finish(op)
+            else:
+                self._arrived[op.id] += 1
+                if self._arrived[op.id] == len(op.ranks):
+                    self.env.process(self._collective(op))
+                if end_s[op.id] == UNDONE:
+                    yield self._wait(op.id)
+
+    def _collective(self, op: Op) -> Iterator[simpy.Event]:
+        self.start_s[op.id] = self.env.now
+        if op.alloc:
+            self._memory(op, op.alloc, 1.0)
+        assert op.group is not None and op.collective is not None
+        span = self.spans[op.group]
+        pair_level = None
+        if op.collective == "send_recv":
+            src, dst = self.graph.groups[op.group][:2]
+            pair_level = self.topology.level_between(src, dst)
+        plan = self.collective_model.plan(op.collective, op.size_bytes, span, pair_level)
+        self.plans[op.id] = plan
+        if plan.latency_s > 0:
+            yield self.env.timeout(plan.latency_s)
+        if plan.demand_by_level:
+            senders = op.ranks[:1] if op.collective == "send_recv" else op.ranks
+            pending = [len(senders)]
+            done = self.env.event()
+
+            def one_finished() -> None:
+                pending[0] -= 1
+                if pending[0] == 0:
+                    done.succeed()
+
+            for rank in senders:
+                demands = {(rank, level): b for level, b in plan.demand_by_level.items()}
+                self.network.transfer(demands, one_finished)
+            yield done
+        self._finish(op)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self) -> Trace:
+        wall = time.perf_counter()
+        streams: dict[tuple[int, str], list[Op]] = {}
+        for op in self.graph.ops:
+            for rank in op.ranks:
+                streams.setdefault((rank, op.stream), []).append(op)
+        for key in sorted(streams):
+            self.env.process(self._stream(streams[key]))
+        self.env.run()
+        undone = [op for op in self.graph.ops if self.end_s[op.id] == UNDONE]
+        if undone:
+            first = undone[0]
+            if first.kind != COMPUTE and 0 < self._arrived[first.id] < len(first.ranks):
+                missing = len(first.ranks) - self._arrived[first.id]
+                raise GraphError(
+                    f"collective '{first.name}' (op {first.id}) never assembled: {missing} of "
+                    f"{len(first.ranks)} participants did not arrive ({len(undone)} ops left undone)"
+                )
+            raise GraphError(
+                f"deadlock: {len(undone)} ops never ran, first '{first.name}' (op {first.id}) "
+                "waits on ops that wait on it"
+            )
+        num_events = next(self.env._eid)  # SimPy's running count of scheduled events
+        return Trace(
+            self.graph,
+            self.topology,
+            self.start_s,
+            self.end_s,
+            self.plans,
+            self.memory_events,
+            num_events,
+            time.perf_counter() - wall,
+            self.spans,
+        )
+
+
+def simulate(graph: OpGraph, topology: Topology, efficiency: Efficiency | None = None) -> Trace:
+    """Replay ``graph`` on ``topology`` and return its Trace."""
+    return Engine(graph, topology, efficiency).run()

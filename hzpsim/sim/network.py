@@ -1,0 +1,101 @@
+"""Shared links as a fluid network: concurrent transfers split each link's bandwidth.
+
+Every simulated rank has one resource per topology level it can send over (``island``,
+``node``, ``leaf`` = its NIC, ``spine``), with the achieved bandwidth of that level. A flow is
+one rank's share of a collective phase: bytes to push over one or more of those resources.
+Rates are max-min fair (progressive filling): a flow's rate is measured in bytes/s on its
+most-loaded resource and it consumes each resource in proportion to its bytes there. Two equal
+transfers on one link therefore each get half of it, and a flow bottlenecked on the NIC leaves
+NVLink bandwidth to others. Rates are recomputed whenever a flow starts or ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import simpy
+
+Resource = tuple[int, str]  # (simulated rank, level)
+
+_EPS_S = 1e-12
+
+
+class Flow:
+    __slots__ = ("load", "remaining", "rate", "on_done")
+
+    def __init__(self, demands: Mapping[Resource, float], on_done: Callable[[], None]) -> None:
+        total = max(demands.values())
+        # bytes on each resource per unit of progress; progress is counted in bytes on the
+        # flow's most-loaded resource
+        self.load = {r: b / total for r, b in demands.items() if b > 0}
+        self.remaining = total
+        self.rate = 0.0
+        self.on_done = on_done
+
+
+class Network:
+    """Processor-sharing links; ``transfer`` starts a flow and calls back when it ends."""
+
+    def __init__(self, env: simpy.Environment, capacity: Callable[[Resource], float]) -> None:
+        self.env = env
+        self.capacity = capacity
+        self.flows: list[Flow] = []
+        self._last_s = 0.0
+        self._generation = 0
+
+    def transfer(self, demands: Mapping[Resource, float], on_done: Callable[[], None]) -> None:
+        if not demands or max(demands.values()) <= 0:
+            on_done()
+            return
+        self._advance()
+        self.flows.append(Flow(demands, on_done))
+        self._reschedule()
+
+    def _advance(self) -> None:
+        elapsed = self.env.now - self._last_s
+        if elapsed > 0:
+            for flow in self.flows:
+                flow.remaining -= flow.rate * elapsed
+        self._last_s = self.env.now
+
+    def _allocate(self) -> None:
+        """Max-min fair rates by progressive filling over the shared resources."""
+        spare: dict[Resource, float] = {}
+        for flow in self.flows:
+            flow.rate = 0.0
+            for r in flow.load:
+                if r not in spare:
+                    spare[r] = self.capacity(r)
+        active = list(self.flows)
+        while active:
+            weight: dict[Resource, float] = {}
+            for flow in active:
+                for r, w in flow.load.items():
+                    weight[r] = weight.get(r, 0.0) + w
+            step, tight = min((spare[r] / w, r) for r, w in weight.items())
+            for flow in active:
+                flow.rate += step
+                for r, w in flow.load.items():
+                    spare[r] -= step * w
+            saturated = {r for r, w in weight.items() if spare[r] <= 1e-9 * self.capacity(r)}
+            saturated.add(tight)
+            active = [f for f in active if not saturated.intersection(f.load)]
+
+    def _reschedule(self) -> None:
+        self._allocate()
+        self._generation += 1
+        if self.flows:
+            delay = min(f.remaining / f.rate for f in self.flows)
+            generation = self._generation
+            timer = self.env.timeout(max(delay, 0.0))
+            timer.callbacks.append(lambda _ev: self._on_timer(generation))
+
+    def _on_timer(self, generation: int) -> None:
+        if generation != self._generation:
+            return  # superseded by a later start or finish
+        self._advance()
+        done = [f for f in self.flows if f.remaining <= f.rate * _EPS_S + 1e-6]
+        self.flows = [f for f in self.flows if f not in done]
+        self._reschedule()
+        for flow in done:
+            flow.on_done()

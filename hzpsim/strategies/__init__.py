@@ -1,0 +1,48 @@
+"""Strategy plugins, found by name.
+
+A strategy is one module in this package (or one registered under the ``hzpsim.strategies``
+entry-point group by another package) that exposes:
+
+- ``Config``: a frozen dataclass of the strategy's fields, each documented with unit and default;
+- ``check(config, model, training, topology)``: raise ``ValueError("<field>: <problem>")`` for
+  layouts that cannot run (group sizes that do not divide, batch that does not split, ...);
+- ``build(config, model, training, topology, expand=False) -> OpGraph``.
+
+Adding a strategy means adding a module; nothing here lists them. Modules whose name starts
+with an underscore hold shared emitters and are not strategies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from importlib.metadata import entry_points
+from types import ModuleType
+
+from hzpsim.config import ScenarioError
+
+_ENTRY_POINT_GROUP = "hzpsim.strategies"
+
+
+def _external() -> dict[str, str]:
+    return {ep.name: ep.value for ep in entry_points(group=_ENTRY_POINT_GROUP)}
+
+
+def available() -> list[str]:
+    """Names of every strategy that can be used in a scenario, sorted."""
+    names = {m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")}
+    names.update(_external())
+    return sorted(names)
+
+
+def get(name: str, path: str = "strategy.name") -> ModuleType:
+    """The plugin module called ``name``; ScenarioError naming ``path`` if there is none."""
+    if name in available():
+        external = _external()
+        module_name = external[name] if name in external else f"{__name__}.{name}"
+        module = importlib.import_module(module_name)
+        for attribute in ("Config", "check", "build"):
+            if not hasattr(module, attribute):
+                raise TypeError(f"strategy plugin {module_name} lacks {attribute}")  # plugin bug
+        return module
+    raise ScenarioError(f"{path}: unknown strategy '{name}' (known: {', '.join(available())})")

@@ -1,0 +1,45 @@
+"""The ``training:`` section of a scenario: batch, precision, gradient dtype and recompute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Precision = Literal["bf16", "fp16", "fp8", "fp32"]
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the model is trained: batch, precision and recompute (DESIGN §5 defaults)."""
+
+    global_batch_size: int = 1024  # sequences per optimizer step
+    micro_batch_size: int = 1  # sequences per micro-batch per model replica
+    precision: Precision = "bf16"  # dtype of GEMMs and of the working parameter copy
+    grad_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype gradients are accumulated and reduced in
+    activation_recompute: Literal["none", "selective", "full"] = "none"
+    flash_attention: bool = True  # attention scores are never stored (no s^2 activation term)
+    num_steps: int = 2  # optimizer steps simulated; the last one is reported (steady state)
+
+    def validate(self) -> None:
+        if self.global_batch_size < 1:
+            raise ValueError("global_batch_size: must be >= 1")
+        if self.micro_batch_size < 1:
+            raise ValueError("micro_batch_size: must be >= 1")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"global_batch_size: {self.global_batch_size} is not divisible by "
+                f"micro_batch_size {self.micro_batch_size}"
+            )
+        if not 2 <= self.num_steps <= 100:
+            raise ValueError("num_steps: must be between 2 and 100 (the last step is reported)")
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the working (compute) parameter copy."""
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 if self.grad_dtype == "fp32" else 2
+
+

@@ -18,8 +18,21 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_
 T = TypeVar("T")
 
 
+_LINE_BREAKS = "\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+
+
 class ScenarioError(ValueError):
-    """Invalid user input. The message says what is wrong and where (a key path)."""
+    """Invalid user input. The message says what is wrong and where (a key path).
+
+    The message is always one line (the CLI prints it as ``hzpsim: error: ...``): line breaks
+    that arrive from user text (a key, a preset name, a ``--set`` string) are escaped.
+    """
+
+    def __init__(self, message: object = "") -> None:
+        text = str(message)
+        if any(ch in _LINE_BREAKS for ch in text):
+            text = "".join(repr(ch)[1:-1] if ch in _LINE_BREAKS else ch for ch in text)
+        super().__init__(text)
 
 
 def _join(path: str, key: str | int) -> str:
@@ -36,15 +49,15 @@ def _describe(value: Any) -> str:
 def _as_number(value: Any, path: str) -> float:
     if isinstance(value, bool):
         raise ScenarioError(f"{path}: expected a number, got {_describe(value)}")
-    if isinstance(value, int | float):
-        number = float(value)
-    elif isinstance(value, str):
-        try:
+    try:
+        if isinstance(value, int | float):
+            number = float(value)
+        elif isinstance(value, str):
             number = float(value.strip().replace("_", ""))
-        except ValueError:
-            raise ScenarioError(f"{path}: expected a number, got {_describe(value)}") from None
-    else:
-        raise ScenarioError(f"{path}: expected a number, got {_describe(value)}")
+        else:
+            raise ScenarioError(f"{path}: expected a number, got {_describe(value)}")
+    except (ValueError, OverflowError):  # not a number, or an integer beyond float range
+        raise ScenarioError(f"{path}: expected a finite number, got {_describe(value)}") from None
     if not math.isfinite(number):
         raise ScenarioError(f"{path}: expected a finite number, got {_describe(value)}")
     return number
@@ -77,6 +90,17 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
             for choice in allowed:
                 if isinstance(choice, str) and value.strip().lower() == choice:
                     return choice
+        if not isinstance(value, bool) and any(
+            isinstance(c, int) and not isinstance(c, bool) for c in allowed
+        ):
+            # numeric choices (``stage: 1 | 2 | 3``) accept "3", 3.0 and "3e0", as int fields do
+            try:
+                number = _as_number(value, path)
+            except ScenarioError:
+                number = None
+            for choice in allowed:
+                if isinstance(choice, int) and not isinstance(choice, bool) and number == choice:
+                    return choice
         shown = ", ".join(str(a) for a in allowed)
         raise ScenarioError(f"{path}: {_describe(value)} is not one of: {shown}")
     if origin in (tuple, list):
@@ -93,6 +117,8 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
             return value.strip().lower() == "true"
         raise ScenarioError(f"{path}: expected true or false, got {_describe(value)}")
     if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value  # exact, even beyond float precision
         number = _as_number(value, path)
         if number != int(number):
             raise ScenarioError(f"{path}: expected a whole number, got {_describe(value)}")

@@ -214,6 +214,7 @@ class OpGraph:
         n = len(self.ops)
         indegree = [0] * n
         children: list[list[int]] = [[] for _ in range(n)]
+        member_sets: dict[str, frozenset[int]] = {}
         for op in self.ops:
             for d in op.deps:
                 if not 0 <= d < n:
@@ -224,10 +225,12 @@ class OpGraph:
                 if r not in self.weights:
                     raise GraphError(f"op {op.id} ({op.name}) runs on rank {r}, which is not simulated")
             if op.kind == COLLECTIVE:
-                members = self.groups.get(op.group or "")
-                if members is None:
-                    raise GraphError(f"op {op.id} ({op.name}) uses unknown group {op.group!r}")
-                member_set = set(members)
+                member_set = member_sets.get(op.group or "")
+                if member_set is None:
+                    members = self.groups.get(op.group or "")
+                    if members is None:
+                        raise GraphError(f"op {op.id} ({op.name}) uses unknown group {op.group!r}")
+                    member_set = member_sets[op.group or ""] = frozenset(members)
                 outside = [r for r in op.ranks if r not in member_set]
                 if outside or not op.ranks:
                     raise GraphError(

@@ -55,6 +55,12 @@ def read_yaml(path: Path) -> Any:
         raise ScenarioError(f"{path}: cannot read ({exc.strerror})") from None
     except yaml.YAMLError as exc:
         raise ScenarioError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    except UnicodeDecodeError as exc:
+        raise ScenarioError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except (ValueError, RecursionError) as exc:
+        # PyYAML builds some implicit types eagerly (a date "2020-13-45" -> ValueError) and
+        # composes nested collections recursively
+        raise ScenarioError(f"{path}: not valid YAML ({type(exc).__name__}: {exc})") from None
 
 
 def load_preset(kind: Kind, name: str, path: str) -> dict[str, Any]:

@@ -18,6 +18,7 @@ Every definition here is DESIGN §5's:
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -166,14 +167,16 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     worst = max(peaks, key=lambda r: (peaks[r][0], -r))
     peak, breakdown = peaks[worst]
 
-    exposed_worst, comm_total, hidden_total = 0.0, 0.0, 0.0
+    # Sums over devices: a simulated rank counts once per device it stands for. fsum keeps
+    # the symmetric and the expanded runs bit-identical (n copies of x sum to round(n*x)).
+    exposed_worst, comm_parts, hidden_parts = 0.0, [], []
     by_rank = ops_by_rank(trace)
     for r in graph.weights:
         exposed, hidden = overlap(trace, by_rank[r], window)
-        if exposed >= exposed_worst:
-            exposed_worst = exposed
-        comm_total += (exposed + hidden) * graph.weights[r]
-        hidden_total += hidden * graph.weights[r]
+        exposed_worst = max(exposed_worst, exposed)
+        comm_parts.append((exposed + hidden) * graph.weights[r])
+        hidden_parts.append(hidden * graph.weights[r])
+    comm_total, hidden_total = math.fsum(comm_parts), math.fsum(hidden_parts)
     bytes_by_rank = {r: comm_bytes(trace, r, last_step) for r in graph.weights}
     busiest = max(bytes_by_rank, key=lambda r: (sum(bytes_by_rank[r].values()), -r))
 

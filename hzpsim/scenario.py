@@ -80,7 +80,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ScenarioError(f"--set {text!r}: empty key path")
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError, RecursionError):
+        # not YAML (or e.g. a date-like "2020-13-45" PyYAML cannot construct): the raw string
         value = raw
     return parts, value
 
@@ -97,6 +98,8 @@ def _apply_override(data: dict[str, Any], parts: list[str], value: Any, text: st
             if not part.isdigit() or int(part) >= len(node):
                 raise ScenarioError(f"--set {text}: {where}: no list entry {part}")
             child = node[int(part)]
+            if isinstance(child, str) and depth == 1 and parts[0] == "strategies":
+                child = node[int(part)] = {"name": child}
             if not isinstance(child, dict):
                 raise ScenarioError(f"--set {text}: {where} is not a mapping")
             node = child
@@ -106,6 +109,8 @@ def _apply_override(data: dict[str, Any], parts: list[str], value: Any, text: st
             child = node[part] = {}
         elif isinstance(child, str) and depth == 0 and part in ("model", "cluster"):
             child = node[part] = {"preset": child}
+        elif isinstance(child, str) and depth == 0 and part == "strategy":
+            child = node[part] = {"name": child}
         elif not isinstance(child, dict | list):
             raise ScenarioError(f"--set {text}: {where} is {child!r}, not a mapping")
         node = child
@@ -176,9 +181,12 @@ def scenario_from_mapping(raw: Any, overrides: Sequence[str] = (), source: str =
         raise ScenarioError(f"{unknown[0]}: unknown key (allowed: {', '.join(_TOP_KEYS)})")
     if "strategy" in data and "strategies" in data:
         raise ScenarioError("strategy: give either 'strategy' or 'strategies', not both")
+    if data.get("name") is not None and not isinstance(data["name"], str):
+        raise ScenarioError(f"name: expected a string, got {data['name']!r}")
 
     model = from_mapping(Model, _model_mapping(data.get("model")), "model")
-    training = from_mapping(Training, data.get("training") or {}, "training")
+    raw_training = data.get("training")
+    training = from_mapping(Training, {} if raw_training is None else raw_training, "training")
     cluster = from_mapping(ClusterSpec, _cluster_mapping(data.get("cluster")), "cluster")
 
     if "strategies" in data:
@@ -215,4 +223,5 @@ def load_scenario(path: str | Path | None = None, overrides: Sequence[str] = ())
     file = Path(path)
     if not file.is_file():
         raise ScenarioError(f"{path}: no such scenario file")
-    return scenario_from_mapping(read_yaml(file) or {}, overrides, source=str(path))
+    document = read_yaml(file)
+    return scenario_from_mapping({} if document is None else document, overrides, source=str(path))

@@ -153,8 +153,9 @@ class Engine:
         self.env.run()
         undone = [op for op in self.graph.ops if self.end_s[op.id] == UNDONE]
         if undone:
-            first = undone[0]
-            if first.kind != COMPUTE and 0 < self._arrived[first.id] < len(first.ranks):
+            partial = [op for op in undone if op.kind != COMPUTE and 0 < self._arrived[op.id] < len(op.ranks)]
+            first = (partial or undone)[0]
+            if partial:
                 missing = len(first.ranks) - self._arrived[first.id]
                 raise GraphError(
                     f"collective '{first.name}' (op {first.id}) never assembled: {missing} of "

@@ -55,25 +55,47 @@ class NestedSharding:
             if b % a:
                 raise ValueError(f"{an}: {a} does not divide {bn} {b} (groups must nest)")
 
-    def groups(self, role: str) -> list[tuple[int, ...]]:
-        """Groups of a role: param, grad, step_rs, replica, step_ag."""
-        out: list[tuple[int, ...]] = []
+    def size(self, role: str) -> int:
+        return {
+            "param": self.param_size,
+            "grad": self.grad_size,
+            "step_rs": self.optim_size // self.grad_size,
+            "step_ag": self.optim_size // self.param_size,
+            "replica": self.dp_size // self.optim_size,
+        }[role]
+
+    def group_of(self, role: str, rank: int) -> tuple[str, tuple[int, ...]]:
+        """(name, members) of the ``role`` group holding ``rank``; arithmetic, no enumeration.
+
+        param / grad: consecutive blocks of the data-parallel group; step_rs: the ranks of one
+        optim group holding the same Psi/grad_size slice (same position in their grad groups);
+        step_ag: likewise for the Psi/param_size slice; replica: same position in every optim
+        group.
+        """
+        dp_index, position = self._position[rank]
+        dp = self.dp_groups[dp_index]
         p, g, o = self.param_size, self.grad_size, self.optim_size
-        for dp in self.dp_groups:
-            n = len(dp)
-            if role == "param":
-                out += [tuple(dp[i : i + p]) for i in range(0, n, p)]
-            elif role == "grad":
-                out += [tuple(dp[i : i + g]) for i in range(0, n, g)]
-            elif role == "step_rs":  # same slice of Psi/g in each grad group of one optim group
-                out += [tuple(dp[s + j : s + o : g]) for s in range(0, n, o) for j in range(g)]
-            elif role == "step_ag":  # same slice of Psi/p in each param group of one optim group
-                out += [tuple(dp[s + j : s + o : p]) for s in range(0, n, o) for j in range(p)]
-            elif role == "replica":
-                out += [tuple(dp[j::o]) for j in range(o)]
-            else:
-                raise AssertionError(role)
-        return out
+        if role in ("param", "grad"):
+            size = p if role == "param" else g
+            start = position - position % size
+            members = dp[start : start + size]
+        elif role in ("step_rs", "step_ag"):
+            stride = g if role == "step_rs" else p
+            base = position - position % o
+            members = dp[base + position % stride : base + o : stride]
+        elif role == "replica":
+            members = dp[position % o :: o]
+        else:
+            raise AssertionError(role)
+        return f"dp{dp_index}.{role}.{dp.index(members[0])}", tuple(members)
+
+    @property
+    def _position(self) -> dict[int, tuple[int, int]]:
+        cached = self.__dict__.get("_position_cache")
+        if cached is None:
+            cached = {r: (i, j) for i, dp in enumerate(self.dp_groups) for j, r in enumerate(dp)}
+            object.__setattr__(self, "_position_cache", cached)
+        return cached
 
 
 @dataclass(frozen=True)
@@ -84,6 +106,7 @@ class Schedule:
     reshard_after_forward: bool = True  # gather again for the backward
     overlap_grad_reduce: bool = True  # step-end gradient collectives start as units finish
     overlap_param_gather: bool = True  # next step's forward waits per unit, not for all
+    reduce_buffers: int = 2  # gradient buffers awaiting their reduce-scatter; a full ring stalls the backward
     streams: tuple[tuple[str, str], ...] = (("ag", "ag"), ("rs", "rs"), ("dp", "dp"))
 
     def stream(self, role: str) -> str:
@@ -98,17 +121,16 @@ class _Groups:
         self.instances: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
         lane_set = set(lanes)
         for role in ("param", "grad", "step_rs", "replica", "step_ag"):
-            found = []
-            for index, members in enumerate(sharding.groups(role)):
-                participants = tuple(r for r in members if r in lane_set)
-                if participants:
-                    found.append((graph.add_group(f"{role}{index}", members), participants))
-            self.instances[role] = found
+            found: dict[str, tuple[int, ...]] = {}
+            if sharding.size(role) > 1:
+                for lane in lanes:
+                    name, members = sharding.group_of(role, lane)
+                    if name not in found:
+                        graph.add_group(name, members)
+                        found[name] = tuple(r for r in members if r in lane_set)
+            self.instances[role] = list(found.items())
         world = sorted(r for dp in sharding.dp_groups for r in dp)
         self.instances["world"] = [(graph.add_group("world", world), tuple(lanes))]
-
-    def size(self, role: str) -> int:
-        return len(self.graph.groups[self.instances[role][0][0]])
 
 
 def emit_sharded_training(
@@ -174,6 +196,7 @@ def emit_sharded_training(
     gather_ids: list[Ids | None] = [None] * len(gathers)
     consumer_ids: list[Ids | None] = [None] * len(gathers)
     next_gather = [0]
+    scatters: list[Ids] = []  # per-micro-batch reduce-scatters in issue order (buffer ring)
     params_ready: dict[int, Ids] = {}  # unit -> op after which this step's parameters are current
     depth = schedule.prefetch_depth
 
@@ -236,6 +259,8 @@ def emit_sharded_training(
                     )
                     deps = [recompute_op]
                 grad_buffer = params[u] * bg if g > 1 else 0.0
+                if grad_buffer and len(scatters) >= schedule.reduce_buffers:
+                    deps.append(scatters[-schedule.reduce_buffers])  # wait for a free buffer
                 alloc = {"buffers": grad_buffer} if grad_buffer else None
                 free = {"activations": unit.activation_bytes + unit.recompute_bytes}
                 if p > 1:
@@ -254,6 +279,7 @@ def emit_sharded_training(
                         "reduce_scatter", "grad", params[u] * bg, f"rs.{unit.name}.mb{mb}",
                         "grad_reduce", schedule.stream("rs"), [bwd], step, free=grad_buffer,
                     )
+                    scatters.append(grad_done)
                 if last_mb:
                     final_grads[u] = grad_done
         # -------------------------------------------------------------- step end

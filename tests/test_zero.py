@@ -1,0 +1,144 @@
+"""ZeRO end to end: closed forms of data/strategies.md §2.8, symmetry, consistency, determinism."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hzpsim.cli import run_choice
+from hzpsim.report import JSON_KEYS
+from hzpsim.scenario import scenario_from_mapping
+from hzpsim.strategies import zero
+from hzpsim.sim.engine import simulate
+
+
+def scenario(stage: int, nodes: int = 2, gbs: int = 32, **training):
+    return scenario_from_mapping(
+        {
+            "model": "tiny-dense",
+            "training": {"global_batch_size": gbs, **training},
+            "cluster": {"preset": "dgx-h100", "num_nodes": nodes},
+            "strategy": {"name": "zero", "stage": stage},
+        }
+    )
+
+
+def run(stage: int, **kw):
+    sc = scenario(stage, **kw)
+    return sc, run_choice(sc, sc.strategies[0])
+
+
+def grad_norm_bytes(sc) -> float:
+    topo = sc.topology
+    graph = zero.build(sc.strategies[0].config, sc.model, sc.training, topo)
+    trace = simulate(graph, topo)
+    return sum(
+        sum(trace.plans[op.id].bytes_by_level.values())
+        for op in graph.ops
+        if op.category == "grad_norm" and op.step == sc.training.num_steps - 1
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("grad_dtype,bg", [("fp32", 4), ("bf16", 2)])
+def test_comm_bytes_per_step_equal_closed_forms(stage, grad_dtype, bg):
+    sc, report = run(stage, grad_dtype=grad_dtype)
+    n, psi, bw = 16, sc.model.num_params(), 2
+    a = 32 // n  # micro-batches per step
+    frac = (n - 1) / n
+    expected = {  # strategies.md §2.8, per rank per step
+        1: frac * psi * (bg + bw),
+        2: a * frac * psi * bg + frac * psi * bw,
+        3: a * frac * psi * (2 * bw + bg),
+    }[stage]
+    got = report["comm_bytes_per_device"]
+    norm = grad_norm_bytes(sc)
+    assert got["intra_node"] + got["inter_node"] == pytest.approx(expected + norm, rel=1e-12)
+    # a ring over 2 nodes x 8: 1/8 of every rank's bytes leave the node through its NIC
+    assert got["inter_node"] == pytest.approx(expected / 8, rel=1e-3)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_model_state_bytes_equal_closed_forms(stage):
+    sc = scenario(stage)
+    n, psi = 16, sc.model.num_params()
+    graph = zero.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
+    static = graph.static_memory[0]
+    expected = {  # ZeRO paper §5 with bf16 params, fp32 grads, K = 12 (strategies.md §2.8)
+        1: {"params": 2 * psi, "grads": 4 * psi, "optimizer": 12 * psi / n},
+        2: {"params": 2 * psi, "grads": 4 * psi / n, "optimizer": 12 * psi / n},
+        3: {"params": 2 * psi / n, "grads": 4 * psi / n, "optimizer": 12 * psi / n},
+    }[stage]
+    assert static == pytest.approx(expected, rel=1e-12)
+
+
+def test_zero3_peak_holds_states_activations_and_gather_buffers():
+    sc, report = run(3)
+    breakdown = report["memory_breakdown_bytes"]
+    psi = sc.model.num_params()
+    assert breakdown["params"] == pytest.approx(2 * psi / 16)
+    assert breakdown["buffers"] > 0  # gathered units live at the peak
+    assert report["peak_memory_bytes"] == pytest.approx(sum(breakdown.values()))
+
+
+def test_consistency_tokens_step_and_mfu():
+    sc, r = run(3)
+    tokens = sc.training.global_batch_size * sc.model.seq_len
+    assert r["tokens_per_s"] * r["step_time_s"] == pytest.approx(tokens)
+    assert r["tokens_per_s_per_device"] * r["num_devices"] == pytest.approx(r["tokens_per_s"])
+    peak = sc.topology.device.peak_flops_per_s("bf16")
+    mfu = sc.model.model_flops_per_token() * tokens / (r["step_time_s"] * r["num_devices"] * peak)
+    assert r["mfu"] == pytest.approx(mfu)
+    assert r["tflops_per_device"] * 1e12 == pytest.approx(mfu * peak)
+    assert r["hfu"] == pytest.approx(r["mfu"])  # no recompute
+    assert 0 < r["mfu"] < 1
+    assert set(JSON_KEYS) <= set(r)
+    assert r["bubble_fraction"] is None
+
+
+def test_full_recompute_hfu_is_four_thirds_of_layer_flops():
+    sc, r = run(3, activation_recompute="full")
+    m = sc.model
+    per_token_layers = sum(
+        sum(m.layer_forward_flops(i, 1, causal=False).values()) for i in range(m.num_layers)
+    )
+    ratio = (m.model_flops_per_token() + per_token_layers) / m.model_flops_per_token()
+    assert r["hfu"] / r["mfu"] == pytest.approx(ratio)
+
+
+def test_deterministic_json():
+    _, a = run(3)
+    _, b = run(3)
+    a.pop("sim_wall_s")
+    b.pop("sim_wall_s")
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_symmetry_matches_full_expansion_on_two_nodes(stage):
+    sc = scenario(stage)
+    sym = run_choice(sc, sc.strategies[0])
+    full = run_choice(sc, sc.strategies[0], expand=True)
+    for key in ("sim_wall_s", "num_events"):  # the expanded run does 16x the work
+        sym.pop(key)
+        full.pop(key)
+    assert json.dumps(sym, sort_keys=True) == json.dumps(full, sort_keys=True)
+
+
+def test_zero3_hides_gathers_behind_compute():
+    _, r = run(3, micro_batch_size=1)
+    assert r["overlap_fraction"] > 0.0
+    assert r["exposed_comm_s"] < r["step_time_s"]
+
+
+def test_more_stages_less_memory():
+    peaks = [run(s)[1]["peak_memory_bytes"] for s in (1, 2, 3)]
+    assert peaks[0] > peaks[1] > peaks[2]
+
+
+def test_batch_that_does_not_split_is_rejected():
+    from hzpsim.config import ScenarioError
+
+    with pytest.raises(ScenarioError, match="training.global_batch_size: 24 is not divisible"):
+        scenario(3, gbs=24)

@@ -46,6 +46,11 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+#: Largest whole number an int field accepts: every integer up to it is exact as a float, so
+#: ``450e9`` and ``450000000000`` mean the same; larger counts describe no real training run.
+_MAX_INT = 2**53
+
+
 def _as_number(value: Any, path: str) -> float:
     if isinstance(value, bool):
         raise ScenarioError(f"{path}: expected a number, got {_describe(value)}")
@@ -117,9 +122,11 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
             return value.strip().lower() == "true"
         raise ScenarioError(f"{path}: expected true or false, got {_describe(value)}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value  # exact, even beyond float precision
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= _MAX_INT:
+            return value
         number = _as_number(value, path)
+        if abs(number) > _MAX_INT:
+            raise ScenarioError(f"{path}: {_describe(value)} is out of range (at most 2**53)")
         if number != int(number):
             raise ScenarioError(f"{path}: expected a whole number, got {_describe(value)}")
         return int(number)

@@ -55,6 +55,7 @@ class Op:
         "alloc",
         "free",
         "step",
+        "count",
     )
 
     def __init__(
@@ -74,6 +75,7 @@ class Op:
         alloc: MemoryDelta = (),
         free: MemoryDelta = (),
         step: int = 0,
+        count: int = 1,
     ) -> None:
         self.id = id
         self.kind = kind
@@ -90,6 +92,7 @@ class Op:
         self.alloc = alloc
         self.free = free
         self.step = step
+        self.count = count  # a collective repeated back to back (e.g. a layer's two TP all-reduces)
 
     @property
     def total_flops(self) -> float:
@@ -186,6 +189,7 @@ class OpGraph:
         alloc: Mapping[str, float] | None = None,
         free: Mapping[str, float] | None = None,
         step: int = 0,
+        count: int = 1,
     ) -> int:
         assert kind in COLLECTIVE_KINDS, kind
         assert group in self.groups, group
@@ -203,6 +207,7 @@ class OpGraph:
             alloc=_delta(alloc),
             free=_delta(free),
             step=step,
+            count=count,
         )
         self.ops.append(op)
         return op.id

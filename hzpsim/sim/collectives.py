@@ -58,6 +58,15 @@ class CollectivePlan:
     demand_by_level: dict[str, float]  # bytes / protocol efficiency: what occupies the link
     isolated_time_s: float  # latency + bandwidth time with no other traffic
 
+    def repeated(self, count: int) -> CollectivePlan:
+        """The same collective issued ``count`` times back to back."""
+        return CollectivePlan(
+            self.algorithm, self.protocol, self.latency_s * count,
+            {k: v * count for k, v in self.bytes_by_level.items()},
+            {k: v * count for k, v in self.demand_by_level.items()},
+            self.isolated_time_s * count,
+        )
+
 
 def _link_class(level: str) -> str:
     return "net" if level in INTER_NODE_LEVELS else "nvlink"

@@ -121,6 +121,8 @@ class Engine:
             src, dst = self.graph.groups[op.group][:2]
             pair_level = self.topology.level_between(src, dst)
         plan = self.collective_model.plan(op.collective, op.size_bytes, span, pair_level)
+        if op.count != 1:
+            plan = plan.repeated(op.count)
         self.plans[op.id] = plan
         if plan.latency_s > 0:
             yield self.env.timeout(plan.latency_s)

@@ -60,6 +60,13 @@ class Unit:
     recompute_bytes: float  # extra activations alive during the backward of a recomputed unit
     layer: int | None = None
 
+    @property
+    def backward_with_recompute(self) -> Work:
+        """The recompute forward and the backward as one op (they run back to back)."""
+        r, b = self.recompute, self.backward
+        return Work(r.gemm + b.gemm, r.attention_forward + b.attention_forward,
+                    r.attention_backward + b.attention_backward, r.bytes_accessed + b.bytes_accessed)
+
 
 def model_units(model: Model, training: Training) -> list[Unit]:
     """Units in forward order: embedding, layers 0..L-1, head (+ final norm)."""

@@ -14,9 +14,14 @@ data-parallel group of N ranks (``data/strategies.md`` §1.4):
   slice, all-reduce over the N/optim_size replicas, the optimizer on the 1/optim_size shard,
   and an all-gather of the updated working copy over the optim_size/param_size ranks.
 
-ZeRO-1 is (1, 1, N), ZeRO-2 (1, N, N), ZeRO-3 (N, N, N), HSDP/MiCS (g, g, g) and AsyncHZP's
-likely setting (g, g, N). The emitter writes the same program for each simulated rank (a
-"lane"); a collective is one op shared by the lanes of its group.
+DDP is (1, 1, 1), ZeRO-1 (1, 1, N), ZeRO-2 (1, N, N), ZeRO-3 (N, N, N), HSDP/MiCS (g, g, g)
+and AsyncHZP's likely setting (g, g, N).
+
+:class:`ShardedParams` is a set of hooks that any compute schedule calls (a flat loop of
+micro-batches for ZeRO, a pipeline schedule per stage for ND): it adds the gathers a unit's
+forward/backward must wait for, the reductions its gradients need and the step-end optimizer.
+It writes the same program for each simulated rank (a "lane"); a collective is one op shared
+by the lanes of its group.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hzpsim.ops import OpGraph
-from hzpsim.strategies._layers import Unit, optimizer_bytes_per_param
+from hzpsim.strategies._layers import Unit, Work, optimizer_bytes_per_param
 from hzpsim.training import Training
 
 Ids = dict[int, int]  # lane (simulated rank) -> op id
@@ -113,215 +118,265 @@ class Schedule:
         return dict(self.streams)[role]
 
 
-class _Groups:
-    """Collective group instances for the simulated lanes, registered in the graph."""
+class Emitter:
+    """Creates ops for a set of lanes: one compute op per lane, one collective per group."""
 
-    def __init__(self, graph: OpGraph, sharding: NestedSharding, lanes: Sequence[int]) -> None:
+    def __init__(self, graph: OpGraph, lanes: Sequence[int]) -> None:
         self.graph = graph
-        self.instances: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
-        lane_set = set(lanes)
-        for role in ("param", "grad", "step_rs", "replica", "step_ag"):
-            found: dict[str, tuple[int, ...]] = {}
-            if sharding.size(role) > 1:
-                for lane in lanes:
-                    name, members = sharding.group_of(role, lane)
-                    if name not in found:
-                        graph.add_group(name, members)
-                        found[name] = tuple(r for r in members if r in lane_set)
-            self.instances[role] = list(found.items())
-        world = sorted(r for dp in sharding.dp_groups for r in dp)
-        self.instances["world"] = [(graph.add_group("world", world), tuple(lanes))]
+        self.lanes = list(lanes)
+        self._lane_set = set(lanes)
 
+    def groups_for(self, group_of, size: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Register the groups (``group_of(lane) -> (name, members)``) holding the lanes."""
+        found: dict[str, tuple[int, ...]] = {}
+        if size > 1:
+            for lane in self.lanes:
+                name, members = group_of(lane)
+                if name not in found:
+                    self.graph.add_group(name, members)
+                    found[name] = tuple(r for r in members if r in self._lane_set)
+        return list(found.items())
 
-def emit_sharded_training(
-    graph: OpGraph,
-    lanes: Sequence[int],
-    units: Sequence[Unit],
-    training: Training,
-    sharding: NestedSharding,
-    schedule: Schedule,
-    num_micro_batches: int,
-    param_divisor: int = 1,
-) -> None:
-    """Emit ``training.num_steps`` optimizer steps of ``num_micro_batches`` each, for ``lanes``.
-
-    ``param_divisor`` divides each unit's parameters (tensor/pipeline model parallelism has
-    already split them; the sharding groups then shard what is left).
-    """
-    groups = _Groups(graph, sharding, lanes)
-    bw, bg = training.param_bytes, training.grad_bytes
-    p, g, o = sharding.param_size, sharding.grad_size, sharding.optim_size
-    replicas = sharding.dp_size // o
-    params = [u.num_params / param_divisor for u in units]
-    total_params = sum(params)
-
-    for lane in lanes:
-        graph.add_static(
-            lane,
-            {"params": total_params * bw / p, "grads": total_params * bg / g, "optimizer": 12.0 * total_params / o},
-        )
-
-    def collective(kind: str, role: str, size: float, name: str, category: str, stream: str,
-                   deps: Sequence[Ids | None], step: int, alloc: float = 0.0, free: float = 0.0) -> Ids:
+    def collective(self, kind: str, instances: list[tuple[str, tuple[int, ...]]], size: float, name: str,
+                   category: str, stream: str, deps: Sequence[Ids | None], step: int,
+                   alloc: float = 0.0, free: float = 0.0, count: int = 1) -> Ids:
         ids: Ids = {}
-        for group, participants in groups.instances[role]:
+        for group, participants in instances:
             dep_ids = [d[lane] for d in deps if d for lane in participants if lane in d]
-            op = graph.collective(
+            op = self.graph.collective(
                 kind, group, participants, size, name, category, stream, dep_ids,
                 alloc={"buffers": alloc} if alloc else None,
                 free={"buffers": free} if free else None,
-                step=step,
+                step=step, count=count,
             )
             ids.update({lane: op for lane in participants})
         return ids
 
-    def compute(name: str, category: str, work, deps: Sequence[Ids | None], step: int,
+    def compute(self, name: str, category: str, work: Work, deps: Sequence[Ids | None], step: int,
                 alloc: dict[str, float] | None = None, free: dict[str, float] | None = None) -> Ids:
         return {
-            lane: graph.compute(
+            lane: self.graph.compute(
                 lane, name, category, work.flops(), [d.get(lane) for d in deps if d],
                 bytes_accessed=work.bytes_accessed, alloc=alloc, free=free, step=step,
             )
-            for lane in lanes
+            for lane in self.lanes
         }
 
-    # The sequence of parameter gathers of the whole run, in order of use.
-    gathers: list[tuple[int, int, str, int]] = []  # (step, micro-batch, phase, unit)
-    if p > 1:
-        for step in range(training.num_steps):
-            for mb in range(num_micro_batches):
-                gathers += [(step, mb, "fwd", u) for u in range(len(units))]
-                if schedule.reshard_after_forward:
-                    gathers += [(step, mb, "bwd", u) for u in reversed(range(len(units)))]
-    gather_ids: list[Ids | None] = [None] * len(gathers)
-    consumer_ids: list[Ids | None] = [None] * len(gathers)
-    next_gather = [0]
-    scatters: list[Ids] = []  # per-micro-batch reduce-scatters in issue order (buffer ring)
-    params_ready: dict[int, Ids] = {}  # unit -> op after which this step's parameters are current
-    depth = schedule.prefetch_depth
 
-    def issue_gathers(current_step: int) -> None:
-        """Issue every gather whose buffer slot is free (or will be freed by an emitted op)."""
-        while next_gather[0] < len(gathers):
-            index = next_gather[0]
-            step, mb, phase, u = gathers[index]
-            if step > current_step:
-                return  # the next step's gathers wait for this step's optimizer
-            slot = index - depth - 1
-            if slot >= 0 and consumer_ids[slot] is None:
-                return
-            deps = [consumer_ids[slot] if slot >= 0 else None, params_ready.get(u)]
-            size = params[u] * bw
-            gather_ids[index] = collective(
-                "all_gather", "param", size, f"ag.{phase}.{units[u].name}.mb{mb}", "param_gather",
-                schedule.stream("ag"), deps, step, alloc=size,
+Use = tuple[int, int, str, int]  # (step, micro-batch, "fwd" | "bwd", unit) in order of use
+
+
+class ShardedParams:
+    """Parameter gathers, gradient reductions and the optimizer of one set of lanes.
+
+    ``unit_params`` are the parameters of each unit held by one model-parallel rank (already
+    divided by tensor/pipeline/expert parallelism); ``uses`` lists, in program order, every
+    forward and backward use of a unit by the lanes' compute stream.
+    """
+
+    def __init__(self, emit: Emitter, unit_params: Sequence[float], unit_names: Sequence[str],
+                 training: Training, sharding: NestedSharding, schedule: Schedule,
+                 uses: Sequence[Use], tag: str = "") -> None:
+        self.emit, self.training, self.sharding, self.schedule = emit, training, sharding, schedule
+        self.params = list(unit_params)
+        self.names = [f"{tag}{n}" for n in unit_names]
+        self.tag = tag
+        self.bw, self.bg = training.param_bytes, training.grad_bytes
+        p, g, o = sharding.param_size, sharding.grad_size, sharding.optim_size
+        self.p, self.g, self.o = p, g, o
+        self.replicas = sharding.dp_size // o
+        self.total = sum(self.params)
+        self.instances = {
+            role: emit.groups_for(lambda lane, role=role: sharding.group_of(role, lane), sharding.size(role))
+            for role in ("param", "grad", "step_rs", "replica", "step_ag")
+        }
+        for lane in emit.lanes:
+            emit.graph.add_static(
+                lane, {"params": self.total * self.bw / p, "grads": self.total * self.bg / g,
+                       "optimizer": 12.0 * self.total / o},
             )
-            next_gather[0] += 1
+        # every use needs a gather when parameters are sharded (the backward reuses the
+        # forward's gather when they are not resharded after the forward)
+        self.gathers: list[Use] = []
+        if p > 1:
+            self.gathers = [
+                use for use in uses
+                if self.params[use[3]] > 0 and (use[2] == "fwd" or schedule.reshard_after_forward)
+            ]
+        self.gather_index = {use: i for i, use in enumerate(self.gathers)}
+        self.gather_ids: list[Ids | None] = [None] * len(self.gathers)
+        self.consumer_ids: list[Ids | None] = [None] * len(self.gathers)
+        self.next_gather = 0
+        self.scatters: list[Ids] = []
+        self.params_ready: dict[int, Ids] = {}
+        self.final_grads: dict[int, Ids] = {}
+        self.optimized_steps = 0
 
-    gather_index = {key: i for i, key in enumerate(gathers)}
+    # ------------------------------------------------------------------ gathers
 
-    for step in range(training.num_steps):
-        issue_gathers(step)
-        final_grads: dict[int, Ids] = {}
-        last_compute: Ids | None = None
-        for mb in range(num_micro_batches):
-            last_mb = mb == num_micro_batches - 1
-            # ---------------------------------------------------------- forward
-            for u, unit in enumerate(units):
-                deps: list[Ids | None] = []
-                free_after = 0.0
-                key = (step, mb, "fwd", u)
-                if p > 1:
-                    deps.append(gather_ids[gather_index[key]])
-                    free_after = params[u] * bw if schedule.reshard_after_forward else 0.0
-                elif u in params_ready and mb == 0:
-                    deps.append(params_ready[u])
-                fwd = compute(
-                    f"fwd.{unit.name}.mb{mb}", "forward", unit.forward, deps, step,
-                    alloc={"activations": unit.activation_bytes},
-                    free={"buffers": free_after} if free_after else None,
-                )
-                last_compute = fwd
-                if p > 1:
-                    consumer_ids[gather_index[key]] = fwd
-                    issue_gathers(step)
-            # ---------------------------------------------------------- backward
-            for u in reversed(range(len(units))):
-                unit = units[u]
-                deps = []
-                if p > 1:
-                    phase = "bwd" if schedule.reshard_after_forward else "fwd"
-                    deps.append(gather_ids[gather_index[(step, mb, phase, u)]])
-                if unit.recompute.gemm or unit.recompute.attention_forward or unit.recompute.bytes_accessed:
-                    recompute_op = compute(
-                        f"recompute.{unit.name}.mb{mb}", "recompute", unit.recompute, deps, step,
-                        alloc={"activations": unit.recompute_bytes} if unit.recompute_bytes else None,
-                    )
-                    deps = [recompute_op]
-                grad_buffer = params[u] * bg if g > 1 else 0.0
-                if grad_buffer and len(scatters) >= schedule.reduce_buffers:
-                    deps.append(scatters[-schedule.reduce_buffers])  # wait for a free buffer
-                alloc = {"buffers": grad_buffer} if grad_buffer else None
-                free = {"activations": unit.activation_bytes + unit.recompute_bytes}
-                if p > 1:
-                    free["buffers"] = params[u] * bw
-                bwd = compute(f"bwd.{unit.name}.mb{mb}", "backward", unit.backward, deps, step,
-                              alloc=alloc, free=free)
-                last_compute = bwd
-                if p > 1 and schedule.reshard_after_forward:
-                    consumer_ids[gather_index[(step, mb, "bwd", u)]] = bwd
-                    issue_gathers(step)
-                elif p > 1:
-                    issue_gathers(step)
-                grad_done = bwd
-                if g > 1:
-                    grad_done = collective(
-                        "reduce_scatter", "grad", params[u] * bg, f"rs.{unit.name}.mb{mb}",
-                        "grad_reduce", schedule.stream("rs"), [bwd], step, free=grad_buffer,
-                    )
-                    scatters.append(grad_done)
-                if last_mb:
-                    final_grads[u] = grad_done
-        # -------------------------------------------------------------- step end
-        assert last_compute is not None
-        end_of_backward = None if schedule.overlap_grad_reduce else last_compute
+    def _issue_gathers(self) -> None:
+        depth = self.schedule.prefetch_depth
+        while self.next_gather < len(self.gathers):
+            index = self.next_gather
+            step, mb, phase, u = self.gathers[index]
+            if step > self.optimized_steps:
+                return  # next step's gathers wait for this step's optimizer
+            slot = index - depth - 1
+            if slot >= 0 and self.consumer_ids[slot] is None:
+                return
+            size = self.params[u] * self.bw
+            self.gather_ids[index] = self.emit.collective(
+                "all_gather", self.instances["param"], size, f"ag.{phase}.{self.names[u]}.mb{mb}",
+                "param_gather", self.schedule.stream("ag"),
+                [self.consumer_ids[slot] if slot >= 0 else None, self.params_ready.get(u)], step, alloc=size,
+            )
+            self.next_gather += 1
+
+    def _gather_for(self, use: Use) -> Ids | None:
+        step, mb, phase, u = use
+        if self.p == 1 or self.params[u] == 0:
+            return self.params_ready.get(u) if mb == 0 and phase == "fwd" else None
+        if phase == "bwd" and not self.schedule.reshard_after_forward:
+            use = (step, mb, "fwd", u)
+        self._issue_gathers()
+        return self.gather_ids[self.gather_index[use]]
+
+    def forward_deps(self, step: int, mb: int, u: int) -> list[Ids | None]:
+        return [self._gather_for((step, mb, "fwd", u))]
+
+    def forward_free(self, u: int) -> float:
+        """Gather-buffer bytes the forward of ``u`` frees when it ends."""
+        if self.p > 1 and self.params[u] and self.schedule.reshard_after_forward:
+            return self.params[u] * self.bw
+        return 0.0
+
+    def forward_done(self, step: int, mb: int, u: int, ids: Ids) -> None:
+        if self.p > 1 and self.params[u]:
+            self.consumer_ids[self.gather_index[(step, mb, "fwd", u)]] = ids
+            self._issue_gathers()
+
+    # ------------------------------------------------------------------ gradients
+
+    def backward_deps(self, step: int, mb: int, u: int) -> list[Ids | None]:
+        deps = [self._gather_for((step, mb, "bwd", u))]
+        slots = self.schedule.reduce_buffers
+        if self.g > 1 and self.params[u] and len(self.scatters) >= slots:
+            deps.append(self.scatters[-slots])  # wait for a free gradient buffer
+        return deps
+
+    def backward_alloc(self, u: int) -> float:
+        """Full-unit gradient buffer bytes taken by the backward of ``u`` (until its reduce)."""
+        return self.params[u] * self.bg if self.g > 1 else 0.0
+
+    def backward_free(self, u: int) -> float:
+        """Gather-buffer bytes the backward of ``u`` frees when it ends."""
+        return self.params[u] * self.bw if self.p > 1 else 0.0
+
+    def backward_done(self, step: int, mb: int, u: int, ids: Ids, last_mb: bool) -> None:
+        if self.p > 1 and self.params[u] and self.schedule.reshard_after_forward:
+            self.consumer_ids[self.gather_index[(step, mb, "bwd", u)]] = ids
+        if self.p > 1 and self.params[u]:
+            self._issue_gathers()
+        done = ids
+        if self.g > 1 and self.params[u]:
+            size = self.params[u] * self.bg
+            done = self.emit.collective(
+                "reduce_scatter", self.instances["grad"], size, f"rs.{self.names[u]}.mb{mb}",
+                "grad_reduce", self.schedule.stream("rs"), [ids], step, free=size,
+            )
+            self.scatters.append(done)
+        if last_mb:
+            self.final_grads[u] = done
+
+    def reduce_step(self, step: int, end_of_backward: Ids) -> list[Ids]:
+        """Step-end reductions per unit (overlapping the backward unless told otherwise)."""
+        wait = None if self.schedule.overlap_grad_reduce else end_of_backward
         reduced: list[Ids] = []
-        for u in reversed(range(len(units))):
-            done = final_grads[u]
-            if o > g:
-                done = collective(
-                    "reduce_scatter", "step_rs", params[u] / g * bg, f"rs_step.{units[u].name}",
-                    "grad_reduce", schedule.stream("dp"), [done, end_of_backward], step,
+        for u in sorted(self.final_grads, reverse=True):
+            done = self.final_grads[u]
+            if self.params[u] and self.o > self.g:
+                done = self.emit.collective(
+                    "reduce_scatter", self.instances["step_rs"], self.params[u] / self.g * self.bg,
+                    f"rs_step.{self.names[u]}", "grad_reduce", self.schedule.stream("dp"), [done, wait], step,
                 )
-            if replicas > 1:
-                done = collective(
-                    "all_reduce", "replica", params[u] / o * bg, f"ar.{units[u].name}",
-                    "grad_reduce", schedule.stream("dp"), [done, end_of_backward], step,
+            if self.params[u] and self.replicas > 1:
+                done = self.emit.collective(
+                    "all_reduce", self.instances["replica"], self.params[u] / self.o * self.bg,
+                    f"ar.{self.names[u]}", "grad_reduce", self.schedule.stream("dp"), [done, wait], step,
                 )
             reduced.append(done)
-        norm = collective("all_reduce", "world", 4.0, "grad_norm", "grad_norm", "compute",
-                          reduced + [last_compute], step)
-        optimizer = compute(
-            "optimizer", "optimizer", _optimizer_work(total_params / o, training), [norm], step,
-        )
-        params_ready.clear()
+        self.final_grads = {}
+        return reduced
+
+    def optimize(self, step: int, deps: Sequence[Ids | None]) -> Ids:
+        """The optimizer on this lane set's shard, then the step-end parameter all-gathers."""
+        work = Work(bytes_accessed=self.total / self.o * optimizer_bytes_per_param(self.training))
+        optimizer = self.emit.compute(f"optimizer{self.tag}", "optimizer", work, deps, step)
+        self.params_ready = {}
         gathered: list[Ids] = []
-        for u, unit in enumerate(units):
-            if o > p:
-                ready = collective(
-                    "all_gather", "step_ag", params[u] / p * bw, f"ag_step.{unit.name}",
-                    "param_gather", schedule.stream("dp"), [optimizer], step,
-                )
-                gathered.append(ready)
-                params_ready[u] = ready
+        for u, name in enumerate(self.names):
+            if self.params[u] and self.o > self.p:
+                gathered.append(self.emit.collective(
+                    "all_gather", self.instances["step_ag"], self.params[u] / self.p * self.bw,
+                    f"ag_step.{name}", "param_gather", self.schedule.stream("dp"), [optimizer], step,
+                ))
+                self.params_ready[u] = gathered[-1]
             else:
-                params_ready[u] = optimizer
-        if gathered and not schedule.overlap_param_gather:
-            for u in params_ready:
-                params_ready[u] = gathered[-1]
+                self.params_ready[u] = optimizer
+        if gathered and not self.schedule.overlap_param_gather:
+            self.params_ready = {u: gathered[-1] for u in self.params_ready}
+        self.optimized_steps = step + 1
+        self._issue_gathers()
+        return optimizer
 
 
-def _optimizer_work(shard_params: float, training: Training):
-    from hzpsim.strategies._layers import Work
+def world_instances(emit: Emitter, world: Sequence[int]) -> list[tuple[str, tuple[int, ...]]]:
+    return [(emit.graph.add_group("world", world), tuple(emit.lanes))]
 
-    return Work(bytes_accessed=shard_params * optimizer_bytes_per_param(training))
+
+def grad_norm(emit: Emitter, world: Sequence[int], deps: Sequence[Ids | None], step: int) -> Ids:
+    """Global gradient-norm all-reduce (one fp32 scalar over every rank) before clipping."""
+    return emit.collective("all_reduce", world_instances(emit, world), 4.0, "grad_norm", "grad_norm",
+                           "compute", deps, step)
+
+
+def flat_uses(num_steps: int, num_micro_batches: int, num_units: int) -> list[Use]:
+    """Unit uses of a plain data-parallel loop: forward in order, backward in reverse."""
+    uses: list[Use] = []
+    for step in range(num_steps):
+        for mb in range(num_micro_batches):
+            uses += [(step, mb, "fwd", u) for u in range(num_units)]
+            uses += [(step, mb, "bwd", u) for u in reversed(range(num_units))]
+    return uses
+
+
+def emit_sharded_training(graph: OpGraph, lanes: Sequence[int], units: Sequence[Unit], training: Training,
+                          sharding: NestedSharding, schedule: Schedule, num_micro_batches: int) -> None:
+    """A plain data-parallel training loop over ``units`` with the sharding hooks around it."""
+    emit = Emitter(graph, lanes)
+    uses = flat_uses(training.num_steps, num_micro_batches, len(units))
+    dp = ShardedParams(emit, [u.num_params for u in units], [u.name for u in units], training,
+                       sharding, schedule, uses)
+    world = sorted(r for group in sharding.dp_groups for r in group)
+    for step in range(training.num_steps):
+        last: Ids = {}
+        for mb in range(num_micro_batches):
+            for u, unit in enumerate(units):
+                free = dp.forward_free(u)
+                last = emit.compute(
+                    f"fwd.{unit.name}.mb{mb}", "forward", unit.forward, dp.forward_deps(step, mb, u), step,
+                    alloc={"activations": unit.activation_bytes}, free={"buffers": free} if free else None,
+                )
+                dp.forward_done(step, mb, u, last)
+            for u in reversed(range(len(units))):
+                unit = units[u]
+                alloc = {"activations": unit.recompute_bytes, "buffers": dp.backward_alloc(u)}
+                free = {"activations": unit.activation_bytes + unit.recompute_bytes, "buffers": dp.backward_free(u)}
+                last = emit.compute(
+                    f"bwd.{unit.name}.mb{mb}", "backward", unit.backward_with_recompute,
+                    dp.backward_deps(step, mb, u), step, alloc=alloc, free=free,
+                )
+                dp.backward_done(step, mb, u, last, last_mb=mb == num_micro_batches - 1)
+        reduced = dp.reduce_step(step, last)
+        norm = grad_norm(emit, world, [*reduced, last], step)
+        dp.optimize(step, [norm])

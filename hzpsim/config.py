@@ -61,8 +61,10 @@ def _as_number(value: Any, path: str) -> float:
             number = float(value.strip().replace("_", ""))
         else:
             raise ScenarioError(f"{path}: expected a number, got {_describe(value)}")
-    except (ValueError, OverflowError):  # not a number, or an integer beyond float range
-        raise ScenarioError(f"{path}: expected a finite number, got {_describe(value)}") from None
+    except ValueError:
+        raise ScenarioError(f"{path}: expected a number, got {_describe(value)}") from None
+    except OverflowError:  # an integer beyond float range
+        raise ScenarioError(f"{path}: {_describe(value)} is out of range") from None
     if not math.isfinite(number):
         raise ScenarioError(f"{path}: expected a finite number, got {_describe(value)}")
     return number

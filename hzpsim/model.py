@@ -267,6 +267,14 @@ class Model:
         d, kv_h = self.head_dim_resolved, self.kv_heads
         return h * a * d + 2 * h * kv_h * d + a * d * h  # Q, K, V, output projection
 
+    def attention_matmul_params(self) -> int:
+        """Attention GEMM weights (Q, K, V, output projection; MLA's projections), no biases."""
+        return self._attention_matmul_params()
+
+    def expert_matmul_params(self) -> int:
+        """One routed expert's GEMM weights, no biases; 0 for a dense model."""
+        return 0 if self.moe is None else self._mlp_matmul_params(self.moe.expert_ffn_hidden_size)
+
     def attention_params(self) -> int:
         """Attention block weights incl. biases and MLA's internal latent norms (elements);
         the pre-attention norm is in norm_params_per_layer()."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from hzpsim.model import Model
 from hzpsim.ops import COMPUTE, MEMORY_CATEGORIES, Op
-from hzpsim.sim.collectives import INTER_NODE_LEVELS, INTRA_NODE_LEVELS
+from hzpsim.sim.collectives import INTRA_NODE_LEVELS
 from hzpsim.sim.engine import Trace
 from hzpsim.training import Training
 
@@ -130,21 +130,20 @@ def overlap(trace: Trace, ops: list[Op], window: tuple[float, float]) -> tuple[f
     return _length(talking) - hidden, hidden
 
 
-def comm_bytes(trace: Trace, rank: int, step: int) -> dict[str, float]:
-    out = {"intra_node": 0.0, "inter_node": 0.0}
+def comm_bytes(trace: Trace, step: int) -> dict[int, dict[str, float]]:
+    """Bytes each simulated rank sends in ``step``, by intra_node / inter_node."""
+    out = {r: {"intra_node": 0.0, "inter_node": 0.0} for r in trace.graph.weights}
+    ops = trace.graph.ops
     for op_id, plan in trace.plans.items():
-        op = trace.graph.ops[op_id]
-        if op.step != step or rank not in op.ranks:
+        op = ops[op_id]
+        if op.step != step:
             continue
-        if op.collective == "send_recv" and op.ranks[0] != rank:
-            continue  # only the sender sends
-        for level, size in plan.bytes_by_level.items():
-            if level in INTRA_NODE_LEVELS:
-                out["intra_node"] += size
-            elif level == "leaf":  # spine bytes are a subset of the NIC (leaf) bytes
-                out["inter_node"] += size
-            else:
-                assert level in INTER_NODE_LEVELS
+        intra = sum(v for k, v in plan.bytes_by_level.items() if k in INTRA_NODE_LEVELS)
+        inter = plan.bytes_by_level.get("leaf", 0.0)  # spine bytes are a subset of the NIC's
+        senders = op.ranks[:1] if op.collective == "send_recv" else op.ranks
+        for rank in senders:
+            out[rank]["intra_node"] += intra
+            out[rank]["inter_node"] += inter
     return out
 
 
@@ -177,7 +176,7 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
         comm_parts.append((exposed + hidden) * graph.weights[r])
         hidden_parts.append(hidden * graph.weights[r])
     comm_total, hidden_total = math.fsum(comm_parts), math.fsum(hidden_parts)
-    bytes_by_rank = {r: comm_bytes(trace, r, last_step) for r in graph.weights}
+    bytes_by_rank = comm_bytes(trace, last_step)
     busiest = max(bytes_by_rank, key=lambda r: (sum(bytes_by_rank[r].values()), -r))
 
     report: dict[str, Any] = {
@@ -201,10 +200,18 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
         "num_events": trace.num_events,
     }
     if graph.meta.get("pp", 1) > 1:
-        report["bubble_fraction"] = graph.meta.get("bubble_fraction")
+        report["bubble_fraction"] = max(idle_fraction(trace, by_rank[r], window) for r in graph.weights)
     report["memory_over_capacity_bytes"] = max(peak - device.memory_bytes, 0.0)
     report["stream_utilization"] = stream_utilization(trace, by_rank[graph.ranks[0]], window)
     return report
+
+
+def idle_fraction(trace: Trace, ops: list[Op], window: tuple[float, float]) -> float:
+    """Share of ``window`` in which a rank has nothing in flight: it waits on another rank
+    (the pipeline schedule's bubble, when this is the worst stage)."""
+    lo, hi = window
+    active = _union((max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)) for op in ops)
+    return 1.0 - _length(active) / (hi - lo)
 
 
 def stream_utilization(trace: Trace, ops: list[Op], window: tuple[float, float]) -> dict[str, float]:

@@ -456,7 +456,9 @@ def _tflops_convention(row: dict[str, Any]) -> str:
     return "unstated"
 
 
-def measured_values(row: dict[str, Any]) -> dict[str, Any]:
+def measured_values(row: dict[str, Any], model: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The row's measurements plus the exactly derivable ones. ``model`` (the mapped model,
+    imputed fields included) supplies l, h, V to the SC'21 formula when the CSV leaves one blank."""
     gbs, seq, n = _num(row, "global_batch_seqs"), _num(row, "seq_len"), _num(row, "n_gpus")
     out: dict[str, Any] = {
         "tokens_per_s_per_gpu": _num(row, "measured_tokens_per_sec_per_gpu"),
@@ -474,6 +476,8 @@ def measured_values(row: dict[str, Any]) -> dict[str, Any]:
     tok, step = out["tokens_per_s_per_gpu"], out["step_time_s"]
     if tok is None and step is None and out["tflops_per_gpu"] and out["tflops_convention"] == "sc21_recompute_inclusive":
         dims = [_num(row, c) for c in ("n_layers", "hidden", "vocab")]
+        if model is not None and "num_layers" in model:
+            dims = [model["num_layers"], model["hidden_size"], model["vocab_size"]]
         if tokens_per_step and n and all(dims):
             flops = sc21_flops_per_iteration(int(gbs), int(seq), *(int(d) for d in dims))  # type: ignore[arg-type]
             step = flops / (out["tflops_per_gpu"] * 1e12 * n)
@@ -568,6 +572,7 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
         if grad:
             training["grad_dtype"] = grad
         mapping = {"model": model, "training": training, "cluster": cluster, "strategy": strategy}
+        measured = measured_values(row, model)
         note = _param_check(model, row)
         if note and model.get("tied_embeddings") and fam_of(row) == "gpt":
             # Megatron-Core GPT runs use --untie-embeddings-and-output-weights: keep the

@@ -106,41 +106,45 @@ class Engine:
             else:
                 self._arrived[op.id] += 1
                 if self._arrived[op.id] == len(op.ranks):
-                    self.env.process(self._collective(op))
+                    self._collective(op)
                 if end_s[op.id] == UNDONE:
                     yield self._wait(op.id)
 
-    def _collective(self, op: Op) -> Iterator[simpy.Event]:
+    def _collective(self, op: Op) -> None:
+        """All participants have arrived: pay the latency, then move the bytes (callbacks, not
+        a process: collectives are the most frequent events)."""
         self.start_s[op.id] = self.env.now
         if op.alloc:
             self._memory(op, op.alloc, 1.0)
         assert op.group is not None and op.collective is not None
-        span = self.spans[op.group]
         pair_level = None
         if op.collective == "send_recv":
             src, dst = self.graph.groups[op.group][:2]
             pair_level = self.topology.level_between(src, dst)
-        plan = self.collective_model.plan(op.collective, op.size_bytes, span, pair_level)
+        plan = self.collective_model.plan(op.collective, op.size_bytes, self.spans[op.group], pair_level)
         if op.count != 1:
             plan = plan.repeated(op.count)
         self.plans[op.id] = plan
         if plan.latency_s > 0:
-            yield self.env.timeout(plan.latency_s)
-        if plan.demand_by_level:
-            senders = op.ranks[:1] if op.collective == "send_recv" else op.ranks
-            pending = [len(senders)]
-            done = self.env.event()
+            timer = self.env.timeout(plan.latency_s)
+            timer.callbacks.append(lambda _event: self._transfer(op, plan))
+        else:
+            self._transfer(op, plan)
 
-            def one_finished() -> None:
-                pending[0] -= 1
-                if pending[0] == 0:
-                    done.succeed()
+    def _transfer(self, op: Op, plan: CollectivePlan) -> None:
+        if not plan.demand_by_level:
+            self._finish(op)
+            return
+        senders = op.ranks[:1] if op.collective == "send_recv" else op.ranks
+        pending = [len(senders)]
 
-            for rank in senders:
-                demands = {(rank, level): b for level, b in plan.demand_by_level.items()}
-                self.network.transfer(demands, one_finished)
-            yield done
-        self._finish(op)
+        def one_finished() -> None:
+            pending[0] -= 1
+            if pending[0] == 0:
+                self._finish(op)
+
+        for rank in senders:
+            self.network.transfer({(rank, level): b for level, b in plan.demand_by_level.items()}, one_finished)
 
     # ------------------------------------------------------------------ run
 

@@ -60,6 +60,10 @@ class Network:
 
     def _allocate(self) -> None:
         """Max-min fair rates by progressive filling over the shared resources."""
+        if len(self.flows) == 1:  # the common case: one transfer alone on its links
+            flow = self.flows[0]
+            flow.rate = min(self.capacity(r) / w for r, w in flow.load.items())
+            return
         spare: dict[Resource, float] = {}
         for flow in self.flows:
             flow.rate = 0.0

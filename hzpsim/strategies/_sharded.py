@@ -92,7 +92,8 @@ class NestedSharding:
             members = dp[position % o :: o]
         else:
             raise AssertionError(role)
-        return f"dp{dp_index}.{role}.{dp.index(members[0])}", tuple(members)
+        stride = members[1] - members[0] if len(members) > 1 else 0
+        return f"{role}.{members[0]}+{stride}x{len(members)}", tuple(members)
 
     @property
     def _position(self) -> dict[int, tuple[int, int]]:

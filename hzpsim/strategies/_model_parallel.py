@@ -1,0 +1,251 @@
+"""Model parallelism inside one unit: tensor (+ sequence), context and expert parallelism.
+
+:func:`mp_units` describes each unit as one model-parallel rank holds and computes it;
+:class:`UnitEmitter` writes a unit's forward or backward for one micro-batch as compute ops
+interleaved with the unit's TP / CP / EP collectives. Shared by ``nd`` (with pipelining) and by
+the sharded family when it composes with ``tp``/``cp``/``ep``.
+
+Communication per layer and micro-batch (data/strategies.md §2.7, §2.8):
+
+- TP: two all-reduces of b·s·h activations in the forward and two in the backward, i.e.
+  8·b·s·h·(t−1)/t elements per rank; with sequence parallelism each all-reduce becomes an
+  all-gather + reduce-scatter pair of the same volume and cost. On the critical path unless
+  ``tp_comm_overlap`` hides a fraction of it (the hidden part still loads the links). An MoE
+  layer keeps the attention block's all-reduce; its MLP block talks through the dispatcher.
+- CP: each rank's K/V chunk goes round the CP ring (an all-gather of c chunks) while the local
+  part of attention runs; the remote part waits for it. Backward moves twice the bytes
+  (K/V again and dK/dV). GQA shrinks the chunk (kv heads), and kv heads are not split below one
+  per TP rank. Causal load balancing: every rank does 1/c of the attention FLOPs.
+- EP: an all-to-all dispatch before the experts and a combine after them, forward and backward,
+  each of tokens·top_k·h activations per rank, exposed (Megatron's default dispatcher); expert
+  compute is multiplied by ``moe_imbalance`` (the busiest rank's load over the mean).
+- ETP (expert tensor parallelism) divides expert weights and FLOPs; its collectives are not
+  modelled yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from hzpsim.model import Model
+from hzpsim.strategies._layers import Work
+from hzpsim.strategies._sharded import Emitter, Ids
+from hzpsim.training import Training
+
+Instances = list[tuple[str, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Degrees:
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sequence_parallel: bool = False
+    tp_comm_overlap: float = 0.0  # fraction of TP communication hidden behind compute
+    moe_imbalance: float = 1.0  # busiest expert rank's tokens over the mean
+
+
+@dataclass(frozen=True)
+class MPUnit:
+    """One unit on one model-parallel rank, per micro-batch."""
+
+    name: str
+    dense_params: float  # reduced over the data-parallel (dp x cp) group
+    expert_params: float  # reduced over the expert-data-parallel group
+    pre: Work  # forward before the CP exchange lands (or the whole forward without CP)
+    remote: Work  # forward attention over the other ranks' K/V (CP only)
+    post: Work  # forward after attention (MLP; experts of an MoE layer)
+    backward: Work  # backward incl. recompute, before the CP exchange is needed
+    backward_remote: Work  # backward attention of the remote chunks (CP only)
+    activation_bytes: float
+    recompute_bytes: float
+    tp_bytes: float  # one TP all-reduce buffer (b·s/c·h), 0 without TP
+    tp_count_forward: int
+    tp_count_backward: int
+    cp_bytes: float  # CP ring all-gather buffer (c chunks of K and V), 0 without CP
+    ep_bytes: float  # per-rank all-to-all buffer, 0 for dense layers or without EP
+    p2p_bytes: float  # activation this unit hands to the next pipeline stage
+    is_moe: bool = False
+
+
+def _split(work: Work, fraction: float) -> tuple[Work, Work]:
+    return work.scaled(fraction), work.scaled(1 - fraction)
+
+
+def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
+    """Units (embedding, layers, head) as one model-parallel rank holds and runs them."""
+    t, c = deg.tp, deg.cp
+    b = training.micro_batch_size
+    tokens = b * model.seq_len
+    act = 4 if training.precision == "fp32" else 2
+    h, vocab = model.hidden_size, model.vocab_size
+    local = tokens / c  # tokens of this rank's sequence chunk
+    sp_tokens = local / t if deg.sequence_parallel else local  # tokens an MoE layer routes per rank
+    tp_bytes = local * h * act if t > 1 else 0.0
+    p2p_bytes = local * h * act / t  # Megatron's scatter/gather: each TP rank sends 1/t
+    mode = training.activation_recompute
+    units: list[MPUnit] = []
+
+    lookup = Work(bytes_accessed=2.0 * local * h * act / (t if deg.sequence_parallel else 1))
+    units.append(MPUnit(
+        "embed", model.embedding_params() / t, 0.0, lookup, Work(), Work(), lookup.scaled(2), Work(),
+        0.0, 0.0, tp_bytes, 1 if t > 1 else 0, 0, 0.0, 0.0, p2p_bytes,
+    ))
+    kv_per_rank = max(model.kv_heads / t, 1.0)
+    for i in range(model.num_layers):
+        flops = model.layer_forward_flops(i, tokens, causal=True)
+        attention = flops["attention"] / (t * c)
+        attn_gemm = 2.0 * model.attention_matmul_params() * tokens / (t * c)
+        stored = model.activation_bytes_per_layer(
+            i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute="none",
+            flash_attention=training.flash_attention, cp=c, act_bytes=act,
+        )
+        kept = model.activation_bytes_per_layer(
+            i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute=mode,
+            flash_attention=training.flash_attention, cp=c, act_bytes=act,
+        )
+        norms = model.norm_params_per_layer()
+        moe = model.is_moe_layer(i)
+        if moe:
+            assert model.moe is not None
+            k = model.moe.top_k
+            routed = 2.0 * k * model.expert_matmul_params() * sp_tokens / deg.etp * deg.moe_imbalance
+            shared = 2.0 * model.moe.num_shared_experts * model._mlp_matmul_params(model.moe.shared_ffn_resolved) * local / t
+            router = 2.0 * h * model.moe.num_experts * sp_tokens
+            mlp_gemm = routed + shared + router
+            dense_params = model.attention_params() / t + norms + model.router_params() + (
+                model.moe.num_shared_experts * model.shared_expert_params() / t
+            )
+            expert_params = model.moe.num_experts * model.expert_params() / (deg.ep * deg.etp)
+            ep_bytes = sp_tokens * k * h * act if deg.ep > 1 else 0.0
+        else:
+            mlp_gemm = 2.0 * (model.layer_matmul_params_active(i) - model.attention_matmul_params()) * tokens / (t * c)
+            dense_params = model.layer_params(i) / t + norms * (1 - 1 / t)
+            expert_params = 0.0
+            ep_bytes = 0.0
+        attn_local, attn_remote = _split(Work(attention_forward=attention), 1 / c)
+        pre = Work(attn_gemm, attn_local.attention_forward, 0.0, stored * 0.5)
+        post = Work(mlp_gemm, 0.0, 0.0, stored * 0.5)
+        forward_gemm = attn_gemm + mlp_gemm
+        backward = Work(2 * forward_gemm, 0.0, 2 * attn_local.attention_forward, 2 * stored)
+        if mode == "full":
+            backward = Work(backward.gemm + forward_gemm, attn_local.attention_forward, backward.attention_backward,
+                            backward.bytes_accessed + stored)
+        elif mode == "selective":
+            backward = Work(backward.gemm, attn_local.attention_forward, backward.attention_backward,
+                            backward.bytes_accessed)
+        remote_recompute = attn_remote.attention_forward if mode != "none" else 0.0
+        backward_remote = Work(0.0, remote_recompute, 2 * attn_remote.attention_forward, 0.0)
+        cp_bytes = c * 2 * (model.seq_len / c) * b * kv_per_rank * model.head_dim_resolved * act if c > 1 else 0.0
+        units.append(MPUnit(
+            f"layer{i}", dense_params, expert_params, pre, attn_remote, post, backward, backward_remote,
+            kept, max(stored - kept, 0.0) if mode != "none" else 0.0,
+            tp_bytes, (1 if moe else 2) if t > 1 else 0, (1 if moe else 2) if t > 1 else 0,
+            cp_bytes, ep_bytes, p2p_bytes, is_moe=moe,
+        ))
+    head_gemm = model.head_forward_flops(tokens) / (t * c)
+    logits = 4.0 * local * vocab / t
+    units.append(MPUnit(
+        "head", (model.head_params() / t) + model.final_norm_params(), 0.0,
+        Work(head_gemm, 0.0, 0.0, 2 * logits), Work(), Work(), Work(2 * head_gemm, 0.0, 0.0, logits), Work(),
+        logits, 0.0, tp_bytes, 0, 1 if t > 1 else 0, 0.0, 0.0, p2p_bytes,
+    ))
+    return units
+
+
+def merge_units(units: Sequence[MPUnit]) -> MPUnit:
+    """Consecutive dense units run back to back as one (their TP collectives added up).
+
+    Used where nothing else needs to see the units one by one (no per-unit gathers, reductions
+    or CP/EP exchanges): the compute stream does the same work and sends the same bytes, with
+    far fewer events. Parameters are not merged (the merged unit carries none); recompute
+    memory is one layer's, as the layers are recomputed one at a time."""
+    assert all(not u.cp_bytes and not u.ep_bytes for u in units)
+    tp_bytes = max(u.tp_bytes for u in units)
+    assert all(u.tp_bytes in (0.0, tp_bytes) for u in units)
+
+    def total(attr: str) -> Work:
+        works = [getattr(u, attr) for u in units]
+        return Work(sum(w.gemm for w in works), sum(w.attention_forward for w in works),
+                    sum(w.attention_backward for w in works), sum(w.bytes_accessed for w in works))
+
+    pre = total("pre")
+    post = total("post")
+    return MPUnit(
+        f"{units[0].name}-{units[-1].name}", 0.0, 0.0,
+        Work(pre.gemm + post.gemm, pre.attention_forward, 0.0, pre.bytes_accessed + post.bytes_accessed),
+        Work(), Work(), total("backward"), Work(),
+        sum(u.activation_bytes for u in units), max(u.recompute_bytes for u in units), tp_bytes,
+        sum(u.tp_count_forward for u in units), sum(u.tp_count_backward for u in units), 0.0, 0.0,
+        units[-1].p2p_bytes,
+    )
+
+
+class UnitEmitter:
+    """Writes one unit's forward or backward (one micro-batch) with its TP/CP/EP collectives."""
+
+    def __init__(self, emit: Emitter, deg: Degrees, group_of: Callable[[str, int], tuple[str, tuple[int, ...]]]) -> None:
+        self.emit, self.deg = emit, deg
+        sizes = {"tp": deg.tp, "cp": deg.cp, "ep": deg.ep}
+        self.instances: dict[str, Instances] = {
+            dim: emit.groups_for(lambda lane, dim=dim: group_of(dim, lane), sizes[dim]) for dim in sizes
+        }
+
+    def _tp(self, unit: MPUnit, count: int, label: str, deps: Sequence[Ids | None], step: int) -> Ids | None:
+        if not count or not unit.tp_bytes:
+            return None
+        hidden = self.deg.tp_comm_overlap
+        last = deps[-1] if deps else None
+        if hidden > 0:  # the hidden share runs beside the next compute and only loads the links
+            self.emit.collective("all_reduce", self.instances["tp"], unit.tp_bytes * hidden, f"tp.{label}.overlapped",
+                                 "tp", "tp", deps, step, count=count)
+        if hidden < 1:
+            last = self.emit.collective("all_reduce", self.instances["tp"], unit.tp_bytes * (1 - hidden), f"tp.{label}",
+                                        "tp", "compute", deps, step, count=count)
+        return last
+
+    def forward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
+                alloc: dict[str, float], free: dict[str, float] | None) -> Ids:
+        """``free`` is released when the unit's last forward compute op ends."""
+        emit = self.emit
+        has_post = bool(unit.post.gemm or unit.post.bytes_accessed)
+        last: Ids = emit.compute(f"fwd.{label}", "forward", unit.pre, deps, step, alloc=alloc,
+                                 free=None if (has_post or unit.cp_bytes) else free)
+        if unit.cp_bytes:
+            ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.fwd.{label}", "cp", "cp",
+                                   deps, step)
+            last = emit.compute(f"fwd.remote.{label}", "forward", unit.remote, [last, ring], step,
+                                free=None if has_post else free)
+        if unit.is_moe and unit.ep_bytes:
+            last = self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
+            dispatch = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.{label}",
+                                       "ep", "compute", [last], step)
+            experts = emit.compute(f"fwd.experts.{label}", "forward", unit.post, [dispatch], step, free=free)
+            return emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.combine.{label}",
+                                   "ep", "compute", [experts], step)
+        if has_post:
+            last = emit.compute(f"fwd.mlp.{label}", "forward", unit.post, [last], step, free=free)
+        return self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
+
+    def backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
+                 alloc: dict[str, float], free: dict[str, float] | None) -> Ids:
+        emit = self.emit
+        start = deps
+        if unit.is_moe and unit.ep_bytes:
+            combine = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.combine.bwd.{label}",
+                                      "ep", "compute", deps, step)
+            start = [combine]
+        if unit.cp_bytes:
+            ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.bwd.{label}", "cp", "cp",
+                                   deps, step, count=2)
+        main = emit.compute(f"bwd.{label}", "backward", unit.backward, start, step, alloc=alloc,
+                            free=None if unit.cp_bytes else free)
+        last: Ids = main
+        if unit.cp_bytes:
+            last = emit.compute(f"bwd.remote.{label}", "backward", unit.backward_remote, [main, ring], step, free=free)
+        if unit.is_moe and unit.ep_bytes:
+            last = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.bwd.{label}",
+                                   "ep", "compute", [last], step)
+        return self._tp(unit, unit.tp_count_backward, f"bwd.{label}", [last], step) or last

@@ -51,7 +51,9 @@ class Engine:
         self.env = simpy.Environment()
         self.compute_model = ComputeModel(topology.device, graph.compute_dtype, efficiency)
         self.collective_model = CollectiveModel(topology)
-        self.network = Network(self.env, self._capacity)
+        # A transfer only loads its own rank's links, so each rank gets its own (small) fluid
+        # network: rates are recomputed among the few flows that can actually share.
+        self.networks = {r: Network(self.env, self._capacity) for r in graph.weights}
         n = len(graph.ops)
         self.start_s = [UNDONE] * n
         self.end_s = [UNDONE] * n
@@ -144,7 +146,7 @@ class Engine:
                 self._finish(op)
 
         for rank in senders:
-            self.network.transfer({(rank, level): b for level, b in plan.demand_by_level.items()}, one_finished)
+            self.networks[rank].transfer({(rank, level): b for level, b in plan.demand_by_level.items()}, one_finished)
 
     # ------------------------------------------------------------------ run
 

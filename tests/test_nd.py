@@ -1,0 +1,169 @@
+"""ND parallelism against closed forms: pipeline bubble, TP/CP/EP bytes, per-stage activations."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from hzpsim.cli import run_choice
+from hzpsim.config import ScenarioError
+from hzpsim.scenario import scenario_from_mapping
+from hzpsim.sim import collectives
+from hzpsim.sim.engine import simulate
+from hzpsim.strategies import _sharded, nd
+from hzpsim.strategies._layers import Work
+
+GPT = {  # GPT-style (MHA, GELU, ffn = 4h, dropout): Korthikanti's 34 sbh per layer holds exactly
+    "name": "gpt-test", "num_layers": 16, "hidden_size": 1024, "num_heads": 16, "ffn_hidden_size": 4096,
+    "vocab_size": 128, "seq_len": 2048, "mlp": "gelu", "norm": "layernorm", "linear_bias": True,
+    "position_embedding": "learned",
+}
+FREE_LINKS = {
+    "intra_node_bytes_per_s": 1e18, "inter_node_bytes_per_s_per_device": 1e18, "inter_island_bytes_per_s": 1e18,
+    "intra_node_latency_s": 0.0, "inter_node_latency_s": 0.0, "inter_island_latency_s": 0.0,
+}
+
+
+def scenario(strategy: dict, nodes: int = 1, model=None, cluster=None, **training):
+    return scenario_from_mapping({
+        "model": model or GPT,
+        "training": {"global_batch_size": 16, **training},
+        "cluster": {"preset": "dgx-h100", "num_nodes": nodes, **(cluster or {})},
+        "strategy": {"name": "nd", **strategy},
+    })
+
+
+def trace_of(sc):
+    topo = sc.topology
+    graph = nd.build(sc.strategies[0].config, sc.model, sc.training, topo)
+    return graph, simulate(graph, topo)
+
+
+@pytest.fixture
+def uniform_free(monkeypatch):
+    """The closed form's conditions: communication free (no NCCL base latency here, free links
+    in the scenario) and uniform stages (embedding, head and optimizer made free of work)."""
+    monkeypatch.setattr(collectives, "_BASE_LATENCY_US", {"ring": (0.0,) * 3, "tree": (0.0,) * 3})
+    real_units = nd.mp_units
+
+    def layers_only(*args, **kwargs):
+        units = real_units(*args, **kwargs)
+        empty = Work()
+        for i in (0, -1):
+            units[i] = dataclasses.replace(units[i], pre=empty, post=empty, backward=empty)
+        return units
+
+    monkeypatch.setattr(nd, "mp_units", layers_only)
+    monkeypatch.setattr(_sharded, "optimizer_bytes_per_param", lambda training: 0.0)
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(4, 1, 16), (8, 1, 8), (4, 2, 8), (2, 4, 4)])
+def test_bubble_matches_closed_form_when_communication_is_free(uniform_free, pp, vpp, m):
+    dp = 8 // pp
+    sc = scenario({"pp": pp, "vpp": vpp}, cluster=FREE_LINKS, micro_batch_size=8,
+                  global_batch_size=8 * m * dp)
+    report = run_choice(sc, sc.strategies[0])
+    expected = (pp - 1) / (vpp * m + pp - 1)  # SC'21 §2.2; DESIGN §5 bubble_fraction
+    assert report["bubble_fraction"] == pytest.approx(expected, rel=0.01)
+
+
+def test_pipeline_stage_zero_holds_p_micro_batches_of_activations():
+    # TP2 + SP + selective recompute: Korthikanti Table 2, 34 sbh / t per layer; stage 0 of a
+    # 1F1B pipeline keeps p micro-batches of its L/p layers = L layers' worth.
+    sc = scenario({"tp": 2, "pp": 4, "sequence_parallel": True}, activation_recompute="selective")
+    report = run_choice(sc, sc.strategies[0])
+    s, b, h, t, L = 2048, 1, 1024, 2, 16
+    per_layer = 34 * s * b * h / t
+    assert report["memory_breakdown_bytes"]["activations"] == pytest.approx(L * per_layer, rel=1e-9)
+
+
+def test_tp_bytes_per_layer_per_micro_batch():
+    sc = scenario({"tp": 4})
+    graph, trace = trace_of(sc)
+    s, b, h, t, L = 2048, 1, 1024, 4, 16
+    m = 16 // 2  # dp = 2
+    last = sc.training.num_steps - 1
+    tp = sum(sum(trace.plans[op.id].bytes_by_level.values()) * op.count / op.count
+             for op in graph.ops if op.category == "tp" and op.step == last and 0 in op.ranks)
+    per_all_reduce = 2 * (t - 1) / t * b * s * h * 2  # ring all-reduce of b·s·h bf16
+    # layers: 8·b·s·h·(t−1)/t elements each (4 all-reduces); embedding fwd + head bwd: 1 each
+    expected = m * (L * 8 * b * s * h * (t - 1) / t * 2 + 2 * per_all_reduce)
+    assert tp == pytest.approx(expected, rel=1e-12)
+
+
+def test_sequence_parallel_moves_the_same_tp_bytes_and_less_activation():
+    plain = run_choice(*(lambda sc: (sc, sc.strategies[0]))(scenario({"tp": 4})))
+    sp = run_choice(*(lambda sc: (sc, sc.strategies[0]))(scenario({"tp": 4, "sequence_parallel": True})))
+    assert sp["comm_bytes_per_device"] == pytest.approx(plain["comm_bytes_per_device"])
+    assert sp["memory_breakdown_bytes"]["activations"] < plain["memory_breakdown_bytes"]["activations"]
+
+
+def test_cp_ring_bytes_per_layer():
+    model = {**GPT, "num_kv_heads": 4}  # GQA shrinks the K/V chunks
+    sc = scenario({"cp": 4}, model=model)
+    graph, trace = trace_of(sc)
+    last = sc.training.num_steps - 1
+    c, s, b, kv, d, L = 4, 2048, 1, 4, 64, 16
+    m = 16 // 2
+    fwd = (c - 1) * 2 * (s / c) * b * kv * d * 2  # strategies.md §2.7.4, t = 1
+    got = sum(sum(trace.plans[op.id].bytes_by_level.values())
+              for op in graph.ops if op.category == "cp" and op.step == last and 0 in op.ranks)
+    assert got == pytest.approx(m * L * 3 * fwd, rel=1e-12)  # backward moves twice the forward
+
+
+def test_ep_all_to_all_bytes_per_moe_layer():
+    sc = scenario({"ep": 4}, model="tiny-moe", global_batch_size=32)
+    graph, trace = trace_of(sc)
+    model = sc.model
+    last = sc.training.num_steps - 1
+    e, k, h, T = 4, model.moe.top_k, model.hidden_size, model.seq_len
+    m = 32 // 8
+    per_a2a = T * k * h * 2 * (e - 1) / e  # strategies.md §2.8 EP row
+    got = sum(sum(trace.plans[op.id].bytes_by_level.values())
+              for op in graph.ops if op.category == "ep" and op.step == last and 0 in op.ranks)
+    assert got == pytest.approx(m * model.num_moe_layers * 4 * per_a2a, rel=1e-12)
+
+
+def test_uneven_stages_and_interleaving_layouts():
+    assert nd.stage_layers(30, 4, 1, None, None) == (7, 8, 8, 7)
+    assert nd.stage_layers(30, 4, 1, 6, 6) == (6, 9, 9, 6)
+    assert nd.stage_layers(16, 4, 2, None, None) == (2,) * 8
+    with pytest.raises(ValueError):
+        nd.stage_layers(30, 4, 1, 5, 6)
+    sc = scenario({"pp": 4, "first_stage_layers": 2, "last_stage_layers": 2})
+    assert run_choice(sc, sc.strategies[0])["step_time_s"] > 0
+
+
+def test_1f1b_schedule_counts_and_warmup():
+    for rank in range(4):
+        actions = nd.pipeline_actions(4, 1, 8, rank)
+        assert [a[0] for a in actions].count("F") == 8 and [a[0] for a in actions].count("B") == 8
+        assert [a[0] for a in actions[: 4 - rank]] == ["F"] * (4 - rank)
+    inter = nd.pipeline_actions(4, 2, 8, 0)
+    assert sorted((c, mb) for kind, c, mb in inter if kind == "F") == [(c, mb) for c in range(2) for mb in range(8)]
+
+
+def test_symmetry_matches_expansion_for_a_3d_layout():
+    sc = scenario({"tp": 2, "pp": 2, "zero_stage": 1}, nodes=1, global_batch_size=8)
+    sym = run_choice(sc, sc.strategies[0])
+    full = run_choice(sc, sc.strategies[0], expand=True)
+    for key in ("sim_wall_s", "num_events"):
+        sym.pop(key)
+        full.pop(key)
+    assert json.dumps(sym, sort_keys=True) == json.dumps(full, sort_keys=True)
+
+
+@pytest.mark.parametrize("strategy,match", [
+    ({"tp": 3}, "tp: tp x pp x cp"),
+    ({"tp": 2, "pp": 2, "dp": 3}, "dp: tp x pp x dp x cp"),
+    ({"tp": 8, "pp": 1}, "strategy.tp: 8 does not divide model.num_kv_heads 4"),
+    ({"pp": 4, "vpp": 2}, "vpp: interleaving needs"),
+    ({"ep": 2}, "ep: expert parallelism needs an MoE model"),
+    ({"vpp": 2}, "vpp: interleaving needs pp > 1"),
+])
+def test_invalid_layouts_name_the_field(strategy, match):
+    model = {**GPT, "num_kv_heads": 4} if strategy.get("tp") == 8 else GPT
+    with pytest.raises(ScenarioError, match=match):
+        scenario(strategy, model=model, global_batch_size=20 if strategy.get("vpp") == 2 and strategy.get("pp") else 16)

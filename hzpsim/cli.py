@@ -22,37 +22,43 @@ from hzpsim.cluster.devices import DEVICES
 from hzpsim.config import ScenarioError
 from hzpsim.ops import GraphError
 from hzpsim.presets import list_presets
-from hzpsim.report import build_report, to_json
-from hzpsim.scenario import Scenario, StrategyChoice, load_scenario
-from hzpsim.sim.engine import simulate
+from hzpsim.planner import choose, format_decisions, run_choice
+from hzpsim.report import to_json
+from hzpsim.scenario import Scenario, load_scenario
+
+__all__ = ["main", "run_choice"]
 
 
-def run_choice(scenario: Scenario, choice: StrategyChoice, expand: bool = False) -> dict[str, Any]:
-    """Build, simulate and report one strategy of a scenario."""
-    topology = scenario.topology
-    plugin = strategies.get(choice.name)
-    graph = plugin.build(choice.config, scenario.model, scenario.training, topology, expand=expand)
-    trace = simulate(graph, topology)
-    return build_report(trace, scenario.model, scenario.training, choice.resolved())
+_SHORT = {"stage": "stage", "zero_stage": "zero", "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep",
+          "vpp": "vpp", "shard_group_size": "g", "partition_size": "g", "hpz_partition_size": "hpz"}
 
 
 def _label(resolved: dict[str, Any]) -> str:
-    name = resolved["name"]
-    fields = {k: v for k, v in resolved.items() if k != "name"}
-    short = ",".join(f"{k}={v}" for k, v in fields.items() if k in ("stage", "tp", "pp", "dp", "cp", "ep"))
-    return f"{name}({short})" if short else name
+    """A short name for the table: the sizes that tell strategies apart."""
+    parts = []
+    if resolved.get("param_group_size"):
+        parts.append(f"{resolved['param_group_size']}|{resolved['grad_group_size']}|{resolved['optim_group_size']}")
+    for key, short in _SHORT.items():
+        value = resolved.get(key)
+        if value is not None and not (key in ("tp", "pp", "cp", "ep", "vpp", "dp", "zero_stage") and value in (0, 1)):
+            parts.append(f"{short}={value}")
+    if resolved.get("async") is False:
+        parts.append("sync")
+    if resolved.get("adaptive"):
+        parts.append("adaptive")
+    return f"{resolved['name']}({','.join(parts)})" if parts else resolved["name"]
 
 
 def format_table(reports: Sequence[dict[str, Any]]) -> str:
     header = (
-        f"{'strategy':<20} {'step s':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
+        f"{'strategy':<34} {'step s':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
         f"{'peak GiB':>9} {'fits':>5} {'exposed s':>9} {'overlap':>7} {'inter-node GB':>13}"
     )
     lines = [header, "-" * len(header)]
     for r in reports:
         overlap = "-" if r["overlap_fraction"] is None else f"{r['overlap_fraction']:.0%}"
         lines.append(
-            f"{_label(r['strategy_resolved']):<20} {r['step_time_s']:>9.3f} {r['tokens_per_s']:>11,.0f} "
+            f"{_label(r['strategy_resolved']):<34} {r['step_time_s']:>9.3f} {r['tokens_per_s']:>11,.0f} "
             f"{r['tflops_per_device']:>11.1f} {r['mfu']:>6.1%} {r['peak_memory_bytes'] / 2**30:>9.1f} "
             f"{'yes' if r['fits_in_memory'] else 'NO':>5} {r['exposed_comm_s']:>9.3f} {overlap:>7} "
             f"{r['comm_bytes_per_device']['inter_node'] / 1e9:>13.1f}"
@@ -84,7 +90,14 @@ def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
     scenario = load_scenario(args.scenario, args.set or ())
     if compare and len(scenario.strategies) < 2 and not args.json:
         print("note: the scenario has one strategy; give a `strategies:` list to compare several", file=sys.stderr)
-    reports = [run_choice(scenario, choice, expand=args.expand) for choice in scenario.strategies]
+    results = [choose(scenario, choice, expand=args.expand) for choice in scenario.strategies]
+    reports = [report for report, _ in results]
+    if args.explain:
+        budget_of = lambda c: scenario.topology.device.memory_bytes * (1 - getattr(c.config, "memory_reserve_fraction", 0.0))  # noqa: E731
+        for choice, (report, rows) in zip(scenario.strategies, results):
+            print(f"{_label(report['strategy_resolved'])}:", file=sys.stderr if args.json else sys.stdout)
+            text = format_decisions(rows, budget_of(choice)) if rows else "  nothing to choose (not adaptive)"
+            print(text + "\n", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(to_json(reports[0] if len(reports) == 1 and not compare else reports))
     else:
@@ -126,6 +139,7 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a field, e.g. cluster.num_nodes=16")
         p.add_argument("--json", action="store_true", help="print the DESIGN §5 JSON contract")
         p.add_argument("--expand", action="store_true", help="simulate every device instead of one per equivalence class")
+        p.add_argument("--explain", action="store_true", help="print the decision table of adaptive choices")
     p = sub.add_parser("list", help="list devices, cluster presets, workloads and strategies")
     p.add_argument("what", nargs="?", choices=("devices", "presets", "topologies", "workloads", "models", "strategies"))
     return parser

@@ -149,6 +149,12 @@ def field_types(cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
+def key_of(f: dataclasses.Field) -> str:
+    """The scenario key of a field: its name, or ``metadata["key"]`` when the key is not a
+    Python identifier (AsyncHZP's ``async``)."""
+    return f.metadata.get("key", f.name)
+
+
 def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
     """Build the frozen dataclass ``cls`` from a mapping, coercing and validating every field."""
     if isinstance(data, cls):
@@ -156,16 +162,17 @@ def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
     if not isinstance(data, Mapping):
         raise ScenarioError(f"{path or 'scenario'}: expected a mapping, got {_describe(data)}")
     types_by_name = field_types(cls)
-    unknown = [k for k in data if k not in types_by_name]
+    keys = {key_of(f): f for f in dataclasses.fields(cls)}  # YAML key -> field
+    unknown = [k for k in data if k not in keys]
     if unknown:
-        known = ", ".join(sorted(types_by_name))
+        known = ", ".join(sorted(keys))
         raise ScenarioError(f"{_join(path, str(unknown[0]))}: unknown key (allowed: {known})")
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in data:
-            kwargs[f.name] = coerce(types_by_name[f.name], data[f.name], _join(path, f.name))
+    for key, f in keys.items():
+        if key in data:
+            kwargs[f.name] = coerce(types_by_name[f.name], data[key], _join(path, key))
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ScenarioError(f"{_join(path, f.name)}: required key is missing")
+            raise ScenarioError(f"{_join(path, key)}: required key is missing")
     obj = cls(**kwargs)
     validate = getattr(obj, "validate", None)
     if callable(validate):
@@ -181,7 +188,7 @@ def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
 def to_mapping(obj: Any) -> Any:
     """The plain-data form of a config object (for JSON output and ``strategy_resolved``)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {key_of(f): to_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, tuple | list):
         return [to_mapping(v) for v in obj]
     return obj

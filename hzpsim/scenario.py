@@ -89,7 +89,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 def _apply_override(data: dict[str, Any], parts: list[str], value: Any, text: str) -> None:
     if parts[0] == "strategy" and "strategies" in data:
         raise ScenarioError(
-            f"--set {text}: the scenario has a 'strategies' list; use strategies.N.{'.'.join(parts[1:])}"
+            f"--set {text}: the scenario has a 'strategies' list; use strategies.N.{'.'.join(parts[1:])} "
+            "(or set strategy.name to run one strategy instead)"
         )
     node: Any = data
     for depth, part in enumerate(parts[:-1]):
@@ -173,8 +174,11 @@ def scenario_from_mapping(raw: Any, overrides: Sequence[str] = (), source: str =
     if not isinstance(raw, Mapping):
         raise ScenarioError(f"{source}: a scenario must be a mapping")
     data = copy.deepcopy(dict(raw))
-    for text in overrides:
-        parts, value = parse_override(text)
+    parsed = [(parse_override(text), text) for text in overrides]
+    if "strategies" in data and any(parts == ["strategy", "name"] for (parts, _), _ in parsed):
+        # naming one strategy on the command line replaces the scenario's list
+        del data["strategies"]
+    for (parts, value), text in parsed:
         _apply_override(data, parts, value, text)
     unknown = [k for k in data if k not in _TOP_KEYS]
     if unknown:

@@ -167,16 +167,13 @@ def merge_units(units: Sequence[MPUnit]) -> MPUnit:
     assert all(u.tp_bytes in (0.0, tp_bytes) for u in units)
 
     def total(attr: str) -> Work:
-        works = [getattr(u, attr) for u in units]
-        return Work(sum(w.gemm for w in works), sum(w.attention_forward for w in works),
-                    sum(w.attention_backward for w in works), sum(w.bytes_accessed for w in works))
+        return sum((getattr(u, attr) for u in units), Work())
 
     pre = total("pre")
     post = total("post")
     return MPUnit(
         f"{units[0].name}-{units[-1].name}", 0.0, 0.0,
-        Work(pre.gemm + post.gemm, pre.attention_forward, 0.0, pre.bytes_accessed + post.bytes_accessed),
-        Work(), Work(), total("backward"), Work(),
+        pre + post, Work(), Work(), total("backward"), Work(),
         sum(u.activation_bytes for u in units), max(u.recompute_bytes for u in units), tp_bytes,
         sum(u.tp_count_forward for u in units), sum(u.tp_count_backward for u in units), 0.0, 0.0,
         units[-1].p2p_bytes,
@@ -210,9 +207,13 @@ class UnitEmitter:
                 alloc: dict[str, float], free: dict[str, float] | None) -> Ids:
         """``free`` is released when the unit's last forward compute op ends."""
         emit = self.emit
-        has_post = bool(unit.post.gemm or unit.post.bytes_accessed)
-        last: Ids = emit.compute(f"fwd.{label}", "forward", unit.pre, deps, step, alloc=alloc,
-                                 free=None if (has_post or unit.cp_bytes) else free)
+        if not unit.cp_bytes and not (unit.is_moe and unit.ep_bytes):  # one op, TP after it
+            last: Ids = emit.compute(f"fwd.{label}", "forward", unit.pre + unit.post, deps, step,
+                                     alloc=alloc, free=free)
+            return self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
+        has_post = bool(unit.post)
+        last = emit.compute(f"fwd.{label}", "forward", unit.pre, deps, step, alloc=alloc,
+                            free=None if (has_post or unit.cp_bytes) else free)
         if unit.cp_bytes:
             ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.fwd.{label}", "cp", "cp",
                                    deps, step)

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hzpsim.ops import OpGraph
-from hzpsim.strategies._layers import Unit, Work, optimizer_bytes_per_param
+from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
 from hzpsim.training import Training
 
 Ids = dict[int, int]  # lane (simulated rank) -> op id
@@ -60,8 +60,12 @@ class NestedSharding:
             if b % a:
                 raise ValueError(f"{an}: {a} does not divide {bn} {b} (groups must nest)")
 
-    def size(self, role: str) -> int:
+    def size(self, role: str, inner: int = 1) -> int:
+        """Ranks in a ``role`` group; ``inner`` is the size used by the split/secondary roles."""
         return {
+            "param_inner": inner,
+            "param_outer": self.param_size // inner,
+            "secondary": inner,
             "param": self.param_size,
             "grad": self.grad_size,
             "step_rs": self.optim_size // self.grad_size,
@@ -69,7 +73,7 @@ class NestedSharding:
             "replica": self.dp_size // self.optim_size,
         }[role]
 
-    def group_of(self, role: str, rank: int) -> tuple[str, tuple[int, ...]]:
+    def group_of(self, role: str, rank: int, inner: int = 1) -> tuple[str, tuple[int, ...]]:
         """(name, members) of the ``role`` group holding ``rank``; arithmetic, no enumeration.
 
         param / grad: consecutive blocks of the data-parallel group; step_rs: the ranks of one
@@ -80,10 +84,13 @@ class NestedSharding:
         dp_index, position = self._position[rank]
         dp = self.dp_groups[dp_index]
         p, g, o = self.param_size, self.grad_size, self.optim_size
-        if role in ("param", "grad"):
-            size = p if role == "param" else g
+        if role in ("param", "grad", "param_inner", "secondary"):
+            size = {"param": p, "grad": g}.get(role, inner)
             start = position - position % size
             members = dp[start : start + size]
+        elif role == "param_outer":  # same position in each inner block of one param group
+            base = position - position % p
+            members = dp[base + position % inner : base + p : inner]
         elif role in ("step_rs", "step_ag"):
             stride = g if role == "step_rs" else p
             base = position - position % o
@@ -113,6 +120,11 @@ class Schedule:
     overlap_grad_reduce: bool = True  # step-end gradient collectives start as units finish
     overlap_param_gather: bool = True  # next step's forward waits per unit, not for all
     reduce_buffers: int = 2  # gradient buffers awaiting their reduce-scatter; a full ring stalls the backward
+    fixed_buffers: bool = False  # gather/scatter buffers pre-allocated once (AsyncHZP) instead of per use
+    hierarchical_gather: int = 1  # MiCS: inner (intra-node) size of a two-hop all-gather; 1 = one flat ring
+    backward_gather_size: int = 0  # ZeRO++ hpZ: backward gathers from a secondary shard of this size; 0 = off
+    forward_gather_bytes: float = 0.0  # ZeRO++ qwZ: bytes per parameter in forward gathers; 0 = working dtype
+    grad_reduce_bytes: float = 0.0  # ZeRO++ qgZ: bytes per gradient element reduced; 0 = grad dtype
     streams: tuple[tuple[str, str], ...] = (("ag", "ag"), ("rs", "rs"), ("dp", "dp"))
 
     def stream(self, role: str) -> str:
@@ -187,15 +199,37 @@ class ShardedParams:
         self.p, self.g, self.o = p, g, o
         self.replicas = sharding.dp_size // o
         self.total = sum(self.params)
+        inner = {"param_inner": schedule.hierarchical_gather, "param_outer": schedule.hierarchical_gather,
+                 "secondary": schedule.backward_gather_size}
         self.instances = {
-            role: emit.groups_for(lambda lane, role=role: sharding.group_of(role, lane), sharding.size(role))
-            for role in ("param", "grad", "step_rs", "replica", "step_ag")
-        }
-        for lane in emit.lanes:
-            emit.graph.add_static(
-                lane, {"params": self.total * self.bw / p, "grads": self.total * self.bg / g,
-                       "optimizer": 12.0 * self.total / o},
+            role: emit.groups_for(
+                lambda lane, role=role: sharding.group_of(role, lane, inner.get(role, 1)),
+                sharding.size(role, inner.get(role, 1)),
             )
+            for role in ("param", "grad", "step_rs", "replica", "step_ag", "param_inner", "param_outer", "secondary")
+            if role in ("param", "grad", "step_rs", "replica", "step_ag") or inner[role] > 1
+        }
+        self.gather_bytes = {"fwd": schedule.forward_gather_bytes or self.bw, "bwd": self.bw}
+        self.reduce_bytes = schedule.grad_reduce_bytes or self.bg
+        largest = max(self.params, default=0.0)
+        static = {"params": self.total * self.bw / p, "grads": self.total * self.bg / g,
+                  "optimizer": 12.0 * self.total / o}
+        if schedule.backward_gather_size and p > 1:  # hpZ keeps a secondary (intra-node) shard
+            static["params"] += self.total * self.bw / schedule.backward_gather_size
+        # Gather and gradient buffers: a fixed ring allocated once, or allocated per use, in
+        # which case PyTorch's caching allocator keeps a freed block in the pool of the stream
+        # that used it, so each allocating communication stream strands about one unit's
+        # buffer that the compute stream cannot reuse (FSDP2 documents this "inter-stream
+        # fragmentation"; the block count is our estimate [INF]).
+        gather_slots = (schedule.prefetch_depth + 1) * largest * self.bw if p > 1 else 0.0
+        scatter_slots = schedule.reduce_buffers * largest * self.bg if g > 1 else 0.0
+        if schedule.fixed_buffers:
+            static["buffers"] = gather_slots + scatter_slots
+        else:
+            static["other"] = (largest * self.bw if p > 1 else 0.0) + (largest * self.bg if g > 1 else 0.0)
+        self.dynamic_buffers = not schedule.fixed_buffers
+        for lane in emit.lanes:
+            emit.graph.add_static(lane, static)
         # every use needs a gather when parameters are sharded (the backward reuses the
         # forward's gather when they are not resharded after the forward)
         self.gathers: list[Use] = []
@@ -225,13 +259,27 @@ class ShardedParams:
             slot = index - depth - 1
             if slot >= 0 and self.consumer_ids[slot] is None:
                 return
-            size = self.params[u] * self.bw
-            self.gather_ids[index] = self.emit.collective(
-                "all_gather", self.instances["param"], size, f"ag.{phase}.{self.names[u]}.mb{mb}",
-                "param_gather", self.schedule.stream("ag"),
-                [self.consumer_ids[slot] if slot >= 0 else None, self.params_ready.get(u)], step, alloc=size,
-            )
+            deps = [self.consumer_ids[slot] if slot >= 0 else None, self.params_ready.get(u)]
+            self.gather_ids[index] = self._gather(u, phase, f"{self.names[u]}.mb{mb}", deps, step)
             self.next_gather += 1
+
+    def _gather(self, u: int, phase: str, label: str, deps: list[Ids | None], step: int) -> Ids:
+        """All-gather one unit: flat, two-hop (MiCS) or from the secondary shard (hpZ bwd)."""
+        schedule, stream = self.schedule, self.schedule.stream("ag")
+        size = self.params[u] * self.gather_bytes[phase]
+        buffer = self.params[u] * self.bw if self.dynamic_buffers else 0.0
+        if phase == "bwd" and schedule.backward_gather_size:
+            return self.emit.collective("all_gather", self.instances["secondary"], size, f"ag.bwd.{label}",
+                                        "param_gather", stream, deps, step, alloc=buffer)
+        if schedule.hierarchical_gather > 1:
+            inner = schedule.hierarchical_gather
+            outer = self.emit.collective("all_gather", self.instances["param_outer"], size / inner,
+                                         f"ag.{phase}.outer.{label}", "param_gather", stream, deps, step,
+                                         alloc=buffer)
+            return self.emit.collective("all_gather", self.instances["param_inner"], size,
+                                        f"ag.{phase}.inner.{label}", "param_gather", stream, [outer], step)
+        return self.emit.collective("all_gather", self.instances["param"], size, f"ag.{phase}.{label}",
+                                    "param_gather", stream, deps, step, alloc=buffer)
 
     def _gather_for(self, use: Use) -> Ids | None:
         step, mb, phase, u = use
@@ -247,7 +295,7 @@ class ShardedParams:
 
     def forward_free(self, u: int) -> float:
         """Gather-buffer bytes the forward of ``u`` frees when it ends."""
-        if self.p > 1 and self.params[u] and self.schedule.reshard_after_forward:
+        if self.dynamic_buffers and self.p > 1 and self.params[u] and self.schedule.reshard_after_forward:
             return self.params[u] * self.bw
         return 0.0
 
@@ -267,11 +315,11 @@ class ShardedParams:
 
     def backward_alloc(self, u: int) -> float:
         """Full-unit gradient buffer bytes taken by the backward of ``u`` (until its reduce)."""
-        return self.params[u] * self.bg if self.g > 1 else 0.0
+        return self.params[u] * self.bg if self.g > 1 and self.dynamic_buffers else 0.0
 
     def backward_free(self, u: int) -> float:
         """Gather-buffer bytes the backward of ``u`` frees when it ends."""
-        return self.params[u] * self.bw if self.p > 1 else 0.0
+        return self.params[u] * self.bw if self.p > 1 and self.dynamic_buffers else 0.0
 
     def backward_done(self, step: int, mb: int, u: int, ids: Ids, last_mb: bool) -> None:
         if self.p > 1 and self.params[u] and self.schedule.reshard_after_forward:
@@ -280,10 +328,10 @@ class ShardedParams:
             self._issue_gathers()
         done = ids
         if self.g > 1 and self.params[u]:
-            size = self.params[u] * self.bg
             done = self.emit.collective(
-                "reduce_scatter", self.instances["grad"], size, f"rs.{self.names[u]}.mb{mb}",
-                "grad_reduce", self.schedule.stream("rs"), [ids], step, free=size,
+                "reduce_scatter", self.instances["grad"], self.params[u] * self.reduce_bytes,
+                f"rs.{self.names[u]}.mb{mb}", "grad_reduce", self.schedule.stream("rs"), [ids], step,
+                free=self.backward_alloc(u),
             )
             self.scatters.append(done)
         if last_mb:
@@ -349,35 +397,3 @@ def flat_uses(num_steps: int, num_micro_batches: int, num_units: int) -> list[Us
             uses += [(step, mb, "fwd", u) for u in range(num_units)]
             uses += [(step, mb, "bwd", u) for u in reversed(range(num_units))]
     return uses
-
-
-def emit_sharded_training(graph: OpGraph, lanes: Sequence[int], units: Sequence[Unit], training: Training,
-                          sharding: NestedSharding, schedule: Schedule, num_micro_batches: int) -> None:
-    """A plain data-parallel training loop over ``units`` with the sharding hooks around it."""
-    emit = Emitter(graph, lanes)
-    uses = flat_uses(training.num_steps, num_micro_batches, len(units))
-    dp = ShardedParams(emit, [u.num_params for u in units], [u.name for u in units], training,
-                       sharding, schedule, uses)
-    world = sorted(r for group in sharding.dp_groups for r in group)
-    for step in range(training.num_steps):
-        last: Ids = {}
-        for mb in range(num_micro_batches):
-            for u, unit in enumerate(units):
-                free = dp.forward_free(u)
-                last = emit.compute(
-                    f"fwd.{unit.name}.mb{mb}", "forward", unit.forward, dp.forward_deps(step, mb, u), step,
-                    alloc={"activations": unit.activation_bytes}, free={"buffers": free} if free else None,
-                )
-                dp.forward_done(step, mb, u, last)
-            for u in reversed(range(len(units))):
-                unit = units[u]
-                alloc = {"activations": unit.recompute_bytes, "buffers": dp.backward_alloc(u)}
-                free = {"activations": unit.activation_bytes + unit.recompute_bytes, "buffers": dp.backward_free(u)}
-                last = emit.compute(
-                    f"bwd.{unit.name}.mb{mb}", "backward", unit.backward_with_recompute,
-                    dp.backward_deps(step, mb, u), step, alloc=alloc, free=free,
-                )
-                dp.backward_done(step, mb, u, last, last_mb=mb == num_micro_batches - 1)
-        reduced = dp.reduce_step(step, last)
-        norm = grad_norm(emit, world, [*reduced, last], step)
-        dp.optimize(step, [norm])

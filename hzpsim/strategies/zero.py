@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.config import ScenarioError
 from hzpsim.model import Model
 from hzpsim.ops import OpGraph
-from hzpsim.strategies._layers import model_units
-from hzpsim.strategies._sharded import NestedSharding, Schedule, emit_sharded_training
+from hzpsim.strategies import _family
+from hzpsim.strategies._sharded import Schedule
 from hzpsim.training import Training
 
 
@@ -43,35 +42,21 @@ class Config:
             raise ValueError("prefetch_depth: must be between 0 and 8")
 
 
-def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
-    dp = topology.num_devices
-    per_step = training.micro_batch_size * dp
-    if training.global_batch_size % per_step:
-        raise ScenarioError(
-            f"training.global_batch_size: {training.global_batch_size} is not divisible by "
-            f"micro_batch_size x data-parallel size = {training.micro_batch_size} x {dp}"
-        )
-
-
-def sharding(config: Config, num_devices: int) -> NestedSharding:
-    n = num_devices
-    sizes = {1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[config.stage]
-    return NestedSharding(*sizes, dp_groups=(tuple(range(n)),))
-
-
-def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     n = topology.num_devices
-    lanes = list(range(n)) if expand else [0]
-    weights = {r: 1 for r in lanes} if expand else {0: n}
-    graph = OpGraph(n, weights, training.precision, meta={"pp": 1, "dp": n})
+    sizes = {1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[config.stage]
     schedule = Schedule(
         prefetch_depth=config.prefetch_depth,
         reshard_after_forward=config.reshard_after_forward,
         overlap_grad_reduce=config.overlap_grad_reduce,
         overlap_param_gather=config.overlap_param_gather,
     )
-    num_micro_batches = training.global_batch_size // (training.micro_batch_size * n)
-    emit_sharded_training(
-        graph, lanes, model_units(model, training), training, sharding(config, n), schedule, num_micro_batches
-    )
-    return graph
+    return _family.FamilyPlan(*sizes, schedule)
+
+
+def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
+    _family.check(plan(config, topology), model, training, topology)
+
+
+def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+    return _family.build(plan(config, topology), model, training, topology, expand)

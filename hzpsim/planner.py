@@ -1,0 +1,95 @@
+"""Choices made above the engine: adaptive group sizes, and running a scenario's strategies.
+
+A strategy that can pick its own layout (AsyncHZP's ``adaptive: true``) offers candidates
+(``candidates(config, model, training, topology)``); the planner simulates each, keeps those
+whose peak memory leaves the stated reserve free, and picks the fastest (ties: smaller param
+group, then larger optimizer group, as data/strategies.md §1.4 suggests). Strategies never
+simulate anything themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hzpsim import strategies
+from hzpsim.report import build_report
+from hzpsim.scenario import Scenario, StrategyChoice
+from hzpsim.sim.engine import simulate
+
+
+def simulate_choice(scenario: Scenario, choice: StrategyChoice, expand: bool = False) -> dict[str, Any]:
+    """Build, simulate and report one fully specified strategy."""
+    topology = scenario.topology
+    plugin = strategies.get(choice.name)
+    graph = plugin.build(choice.config, scenario.model, scenario.training, topology, expand=expand)
+    trace = simulate(graph, topology)
+    return build_report(trace, scenario.model, scenario.training, choice.resolved())
+
+
+def _resolve(scenario: Scenario, name: str, config: Any) -> StrategyChoice:
+    plugin = strategies.get(name)
+    if hasattr(plugin, "resolve"):
+        config = plugin.resolve(config, scenario.topology)
+    return StrategyChoice(name, config)
+
+
+def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Simulate ``choice``; when it is adaptive, first simulate its candidates and keep the best.
+
+    Returns the report and the decision table (empty when nothing was chosen)."""
+    plugin = strategies.get(choice.name)
+    config = choice.config
+    if not (getattr(config, "adaptive", False) and hasattr(plugin, "candidates")):
+        return simulate_choice(scenario, _resolve(scenario, choice.name, config), expand), []
+    reserve = getattr(config, "memory_reserve_fraction", 0.0)
+    budget = scenario.topology.device.memory_bytes * (1 - reserve)
+    rows: list[dict[str, Any]] = []
+    for candidate in plugin.candidates(config, scenario.model, scenario.training, scenario.topology):
+        resolved = _resolve(scenario, choice.name, candidate)
+        row: dict[str, Any] = {"config": resolved.resolved()}
+        try:
+            plugin.check(candidate, scenario.model, scenario.training, scenario.topology)
+        except ValueError as exc:
+            rows.append({**row, "rejected": str(exc)})
+            continue
+        report = simulate_choice(scenario, resolved, expand)
+        rows.append({**row, "report": report, "fits": report["peak_memory_bytes"] <= budget})
+    runnable = [r for r in rows if "report" in r]
+    fitting = [r for r in runnable if r["fits"]]
+
+    def rank(r: dict[str, Any]) -> tuple:
+        c = r["config"]
+        return (r["report"]["step_time_s"], c.get("param_group_size", 0), -c.get("optim_group_size", 0))
+
+    best = min(fitting, key=rank) if fitting else min(runnable, key=lambda r: r["report"]["peak_memory_bytes"])
+    best["chosen"] = True
+    report = dict(best["report"])
+    report["strategy_resolved"] = {**best["config"], "adaptive": True}
+    return report, rows
+
+
+def run_choice(scenario: Scenario, choice: StrategyChoice, expand: bool = False) -> dict[str, Any]:
+    """The DESIGN §5 report of one strategy of a scenario (adaptive choices resolved)."""
+    return choose(scenario, choice, expand)[0]
+
+
+def format_decisions(rows: list[dict[str, Any]], memory_budget_bytes: float) -> str:
+    """The ``--explain`` table of an adaptive choice."""
+    lines = [f"{'param|grad|optim':>18} {'step s':>9} {'peak GiB':>9} {'fits':>5}  note",
+             f"{'':>18} {'':>9} {'budget':>9} {memory_budget_bytes / 2**30:>5.1f}"]
+    for r in rows:
+        c = r["config"]
+        sizes = f"{c.get('param_group_size')}|{c.get('grad_group_size')}|{c.get('optim_group_size')}"
+        if "report" not in r:
+            lines.append(f"{sizes:>18} {'-':>9} {'-':>9} {'-':>5}  rejected: {r['rejected']}")
+            continue
+        rep = r["report"]
+        note = "<- chosen" if r.get("chosen") else ""
+        lines.append(f"{sizes:>18} {rep['step_time_s']:>9.3f} {rep['peak_memory_bytes'] / 2**30:>9.1f} "
+                     f"{'yes' if r['fits'] else 'no':>5}  {note}")
+    return "\n".join(lines)
+
+
+def with_config(choice: StrategyChoice, **changes: Any) -> StrategyChoice:
+    return StrategyChoice(choice.name, dataclasses.replace(choice.config, **changes))

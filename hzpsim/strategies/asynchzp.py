@@ -1,0 +1,123 @@
+"""AsyncHZP (arXiv 2510.20111): hierarchical ZeRO with asynchronous multi-stream scheduling.
+
+Parameters, gradients and optimizer states are sharded over three nested groups
+``param_group_size | grad_group_size | optim_group_size | N`` instead of ZeRO-3's one group of
+all N ranks (data/strategies.md §1.4, the inferred model: the paper's body was not readable).
+Per micro-batch: parameters are all-gathered inside the param group (forward and, with
+``reshard_after_forward``, backward) and gradients reduce-scattered inside the grad group. At
+the step end: reduce-scatter across optim/grad, all-reduce across the N/optim replicas, the
+optimizer on the 1/optim shard, and an all-gather back to the param group.
+
+``async: true`` issues the gathers and reductions from dedicated background streams (own
+communicators) into a fixed ring of prefetch_depth + 1 pre-allocated gather buffers and
+``reduce_buffers`` scatter buffers; ``async: false`` issues the same collectives in program
+order on one communicator with buffers allocated per use, as FSDP1 does (and pays the caching
+allocator's cross-stream fragmentation, see ``_sharded``). ``adaptive: true`` lets the planner
+choose the group sizes among the divisor chains aligned with the topology (``candidates``).
+Composes with ``tp``, ``cp`` and ``ep``. Run with::
+
+    hzpsim run --set cluster=hzp-npu --set cluster.num_nodes=64 --set strategy.name=asynchzp
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from hzpsim.cluster.topology import Topology
+from hzpsim.model import Model
+from hzpsim.ops import OpGraph
+from hzpsim.strategies import _family
+from hzpsim.strategies._model_parallel import Degrees
+from hzpsim.strategies._sharded import Schedule
+from hzpsim.training import Training
+
+
+@dataclass(frozen=True)
+class Config:
+    param_group_size: int | None = None  # ranks sharing the bf16 parameters; None = the island's data-parallel ranks
+    grad_group_size: int | None = None  # ranks sharing the gradient accumulator; None = param_group_size
+    optim_group_size: int | None = None  # ranks sharing fp32 master + Adam; None = the whole data-parallel group
+    async_: bool = field(default=True, metadata={"key": "async"})  # background AG/RS streams, fixed buffers
+    prefetch_depth: int = 1  # all-gathers in flight ahead of use (D; D + 1 gather buffers)
+    reduce_buffers: int = 2  # gradient scatter buffers
+    reshard_after_forward: bool = True  # gather again for the backward
+    adaptive: bool = False  # let the planner choose the group sizes
+    memory_reserve_fraction: float = 0.08  # adaptive: keep this share of device memory free
+    tp: int = 1  # tensor-parallel size composed with the sharding
+    cp: int = 1  # context-parallel size
+    ep: int = 1  # expert-parallel size (MoE)
+    sequence_parallel: bool = False  # with tp
+    moe_imbalance: float = 1.0  # busiest expert rank's load over the mean
+
+    def validate(self) -> None:
+        for name in ("param_group_size", "grad_group_size", "optim_group_size"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if not 0 <= self.prefetch_depth <= 8:
+            raise ValueError("prefetch_depth: must be between 0 and 8")
+        if self.reduce_buffers < 1:
+            raise ValueError("reduce_buffers: must be >= 1")
+        if not 0 <= self.memory_reserve_fraction < 1:
+            raise ValueError("memory_reserve_fraction: must be in [0, 1)")
+        for name in ("tp", "cp", "ep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        if self.moe_imbalance < 1:
+            raise ValueError("moe_imbalance: must be >= 1")
+
+
+def degrees(config: Config) -> Degrees:
+    return Degrees(tp=config.tp, cp=config.cp, ep=config.ep, sequence_parallel=config.sequence_parallel,
+                   moe_imbalance=config.moe_imbalance)
+
+
+def sizes(config: Config, topology: Topology) -> tuple[int, int, int]:
+    levels = _family.level_group_sizes(topology, degrees(config))
+    p = config.param_group_size or levels["island"]
+    g = config.grad_group_size or p
+    o = config.optim_group_size or levels["all"]
+    return p, g, o
+
+
+def resolve(config: Config, topology: Topology) -> Config:
+    """The config as simulated: every group size filled in."""
+    p, g, o = sizes(config, topology)
+    return dataclasses.replace(config, param_group_size=p, grad_group_size=g, optim_group_size=o)
+
+
+def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
+    schedule = Schedule(
+        prefetch_depth=config.prefetch_depth,
+        reshard_after_forward=config.reshard_after_forward,
+        reduce_buffers=config.reduce_buffers,
+        fixed_buffers=config.async_,
+        streams=_family.async_streams(config.async_),
+    )
+    return _family.FamilyPlan(*sizes(config, topology), schedule, degrees(config))
+
+
+def candidates(config: Config, model: Model, training: Training, topology: Topology) -> list[Config]:
+    """Divisor chains param | grad | optim | N whose sizes are topology-level sizes (one rank,
+    the island, the node, the leaf, everything), for the planner to simulate."""
+    levels = _family.level_group_sizes(topology, degrees(config))
+    world = levels["all"]
+    options = sorted({1, *levels.values()} & {d for d in range(1, world + 1) if world % d == 0})
+    out = []
+    for p in options:
+        for g in options:
+            for o in options:
+                if g % p or o % g:
+                    continue
+                out.append(dataclasses.replace(config, param_group_size=p, grad_group_size=g,
+                                               optim_group_size=o, adaptive=False))
+    return out
+
+
+def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
+    _family.check(plan(config, topology), model, training, topology)
+
+
+def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+    return _family.build(plan(config, topology), model, training, topology, expand)

@@ -1,0 +1,52 @@
+"""HSDP / FSDP HYBRID_SHARD: shard everything inside a group, replicate across groups.
+
+The (g, g, g) case of the nested sharding groups: gathers and reduce-scatters inside the shard
+group each micro-batch; the gradient shards are all-reduced across the N/g replicas at the
+step end (FSDP2 issues that all-reduce per unit on its own stream during the last backward).
+Run with::
+
+    hzpsim run --set strategy.name=hsdp --set strategy.shard_group_size=8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hzpsim.cluster.topology import Topology
+from hzpsim.model import Model
+from hzpsim.ops import OpGraph
+from hzpsim.strategies import _family
+from hzpsim.strategies._model_parallel import Degrees
+from hzpsim.strategies._sharded import Schedule
+from hzpsim.training import Training
+
+
+@dataclass(frozen=True)
+class Config:
+    shard_group_size: int | None = None  # ranks sharing one full copy of the model states; None = one node
+    prefetch_depth: int = 1  # all-gathers in flight ahead of use
+    reshard_after_forward: bool = True  # gather again for the backward
+
+    def validate(self) -> None:
+        if self.shard_group_size is not None and self.shard_group_size < 1:
+            raise ValueError("shard_group_size: must be >= 1")
+
+
+def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
+    g = config.shard_group_size or _family.level_group_sizes(topology, Degrees())["node"]
+    schedule = Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=config.reshard_after_forward)
+    return _family.FamilyPlan(g, g, g, schedule)
+
+
+def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
+    _family.check(plan(config, topology), model, training, topology)
+
+
+def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+    return _family.build(plan(config, topology), model, training, topology, expand)
+
+
+def resolve(config: Config, topology: Topology) -> Config:
+    """The config as simulated: the default group size filled in."""
+    return dataclasses.replace(config, shard_group_size=plan(config, topology).param_size)

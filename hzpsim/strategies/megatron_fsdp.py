@@ -1,0 +1,56 @@
+"""Megatron-FSDP (Megatron-LM ``custom_fsdp``) and its hybrid "HFSDP" mode.
+
+``data_parallel_sharding_strategy: optim_grads_params`` inside a shard group (the NVLink
+domain) plus ``outer_dp_sharding_strategy: optim`` shards the optimizer states across the
+groups too: (g, g, N) in nested-group terms, ZeRO-1 across domains; without the outer optim
+sharding it is HSDP, (g, g, g). ``fsdp_double_buffer`` pre-allocates persistent buffers.
+Run with::
+
+    hzpsim run --set strategy.name=megatron_fsdp --set strategy.shard_group_size=8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hzpsim.cluster.topology import Topology
+from hzpsim.model import Model
+from hzpsim.ops import OpGraph
+from hzpsim.strategies import _family
+from hzpsim.strategies._model_parallel import Degrees
+from hzpsim.strategies._sharded import Schedule
+from hzpsim.training import Training
+
+
+@dataclass(frozen=True)
+class Config:
+    shard_group_size: int | None = None  # the inner FSDP group; None = one node (the NVLink domain)
+    outer_optim_sharding: bool = True  # outer_dp_sharding_strategy=optim (HFSDP); false = HSDP
+    double_buffer: bool = False  # fsdp_double_buffer: persistent pre-allocated gather buffers
+    prefetch_depth: int = 1  # all-gathers in flight ahead of use
+
+    def validate(self) -> None:
+        if self.shard_group_size is not None and self.shard_group_size < 1:
+            raise ValueError("shard_group_size: must be >= 1")
+
+
+def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
+    levels = _family.level_group_sizes(topology, Degrees())
+    g = config.shard_group_size or levels["node"]
+    o = levels["all"] if config.outer_optim_sharding else g
+    schedule = Schedule(prefetch_depth=config.prefetch_depth, fixed_buffers=config.double_buffer)
+    return _family.FamilyPlan(g, g, o, schedule)
+
+
+def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
+    _family.check(plan(config, topology), model, training, topology)
+
+
+def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+    return _family.build(plan(config, topology), model, training, topology, expand)
+
+
+def resolve(config: Config, topology: Topology) -> Config:
+    """The config as simulated: the default shard group size filled in."""
+    return dataclasses.replace(config, shard_group_size=plan(config, topology).param_size)

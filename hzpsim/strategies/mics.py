@@ -1,0 +1,56 @@
+"""MiCS (Zhang et al., VLDB 2023): partition groups with a two-hop parameter all-gather.
+
+Model states are sharded inside a partition group of ``partition_size`` ranks and replicated
+across groups, (p, p, p) in nested-group terms, with gradients all-reduced across the
+replication group only at the accumulation boundary (DeepSpeed ``mics.py``). With
+``hierarchical_params_gather`` a partition group spanning nodes gathers in two hops: an
+inter-node all-gather among ranks with the same local index, then an intra-node all-gather
+(DeepSpeed's ``mics_hierarchical_params_gather``). Run with::
+
+    hzpsim run --set strategy.name=mics --set strategy.partition_size=16
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hzpsim.cluster.topology import Topology
+from hzpsim.model import Model
+from hzpsim.ops import OpGraph
+from hzpsim.strategies import _family
+from hzpsim.strategies._model_parallel import Degrees
+from hzpsim.strategies._sharded import Schedule
+from hzpsim.training import Training
+
+
+@dataclass(frozen=True)
+class Config:
+    partition_size: int | None = None  # ranks of one partition group (DeepSpeed mics_shard_size); None = one node
+    hierarchical_params_gather: bool = False  # two-hop all-gather when the group spans nodes
+    prefetch_depth: int = 1  # all-gathers in flight ahead of use
+
+    def validate(self) -> None:
+        if self.partition_size is not None and self.partition_size < 1:
+            raise ValueError("partition_size: must be >= 1")
+
+
+def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
+    levels = _family.level_group_sizes(topology, Degrees())
+    p = config.partition_size or levels["node"]
+    inner = levels["node"] if config.hierarchical_params_gather and p > levels["node"] else 1
+    schedule = Schedule(prefetch_depth=config.prefetch_depth, hierarchical_gather=inner)
+    return _family.FamilyPlan(p, p, p, schedule)
+
+
+def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
+    _family.check(plan(config, topology), model, training, topology)
+
+
+def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+    return _family.build(plan(config, topology), model, training, topology, expand)
+
+
+def resolve(config: Config, topology: Topology) -> Config:
+    """The config as simulated: the default partition size filled in."""
+    return dataclasses.replace(config, partition_size=plan(config, topology).param_size)

@@ -1,0 +1,64 @@
+"""ZeRO++ (Wang et al., ICLR 2024): ZeRO-3 with hpZ, qwZ and qgZ.
+
+- hpZ: after the forward all-gather each rank keeps a secondary shard of the parameters
+  partitioned over ``hpz_partition_size`` ranks (a node), so the backward all-gather stays
+  inside the node, for Psi x b_w / hpz_partition_size extra bytes per rank.
+- qwZ: the forward all-gather moves int8 weights (1 byte per parameter instead of 2).
+- qgZ: gradients are reduced as int4 (0.5 byte per element). ZeRO++ does this with a
+  hierarchical all-to-all; here it is a reduce-scatter of the quantized bytes (the all-to-all
+  form and the quantize/dequantize kernels are not modelled).
+Run with::
+
+    hzpsim run --set strategy.name=zeropp
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from hzpsim.cluster.topology import Topology
+from hzpsim.model import Model
+from hzpsim.ops import OpGraph
+from hzpsim.strategies import _family
+from hzpsim.strategies._model_parallel import Degrees
+from hzpsim.strategies._sharded import Schedule
+from hzpsim.training import Training
+
+
+@dataclass(frozen=True)
+class Config:
+    hpz_partition_size: int | None = None  # secondary shard group for backward gathers; None = one node; 1 = off
+    quantized_weights: bool = True  # qwZ: int8 forward all-gather
+    quantized_gradients: bool = True  # qgZ: int4 gradient reduction
+    prefetch_depth: int = 1  # all-gathers in flight ahead of use
+
+    def validate(self) -> None:
+        if self.hpz_partition_size is not None and self.hpz_partition_size < 1:
+            raise ValueError("hpz_partition_size: must be >= 1")
+
+
+def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
+    n = topology.num_devices
+    hpz = config.hpz_partition_size or _family.level_group_sizes(topology, Degrees())["node"]
+    schedule = Schedule(
+        prefetch_depth=config.prefetch_depth,
+        backward_gather_size=hpz if hpz > 1 else 0,
+        forward_gather_bytes=1.0 if config.quantized_weights else 0.0,
+        grad_reduce_bytes=0.5 if config.quantized_gradients else 0.0,
+    )
+    return _family.FamilyPlan(n, n, n, schedule)
+
+
+def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
+    _family.check(plan(config, topology), model, training, topology)
+
+
+def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+    return _family.build(plan(config, topology), model, training, topology, expand)
+
+
+def resolve(config: Config, topology: Topology) -> Config:
+    """The config as simulated: the default secondary partition size filled in."""
+    size = plan(config, topology).schedule.backward_gather_size or 1
+    return dataclasses.replace(config, hpz_partition_size=size)

@@ -40,10 +40,13 @@ def _label(resolved: dict[str, Any]) -> str:
         parts.append(f"{resolved['param_group_size']}|{resolved['grad_group_size']}|{resolved['optim_group_size']}")
     for key, short in _SHORT.items():
         value = resolved.get(key)
-        if value is not None and not (key in ("tp", "pp", "cp", "ep", "vpp", "dp", "zero_stage") and value in (0, 1)):
+        trivial = (0, 1) if key in ("tp", "pp", "cp", "ep", "vpp", "dp") else (0,) if key == "zero_stage" else ()
+        if value is not None and value not in trivial:
             parts.append(f"{short}={value}")
     if resolved.get("async") is False:
         parts.append("sync")
+    if resolved.get("sequence_parallel"):
+        parts.append("sp")
     if resolved.get("adaptive"):
         parts.append("adaptive")
     return f"{resolved['name']}({','.join(parts)})" if parts else resolved["name"]
@@ -156,6 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # e.g. `hzpsim run | head`: the reader left, nothing is wrong
+        sys.stderr.close()
+        return 0
     except Exception as exc:  # an hzpsim bug, not bad input
         if os.environ.get("HZPSIM_DEBUG"):
             raise

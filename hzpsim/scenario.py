@@ -64,6 +64,10 @@ DEFAULT_SCENARIO: dict[str, Any] = {
         {"name": "zero", "stage": 1},
         {"name": "zero", "stage": 2},
         {"name": "zero", "stage": 3},
+        {"name": "hsdp"},
+        {"name": "nd", "tp": 8, "pp": 4, "sequence_parallel": True, "zero_stage": 1},
+        {"name": "asynchzp"},
+        {"name": "asynchzp", "adaptive": True},
     ],
 }
 

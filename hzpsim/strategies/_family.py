@@ -24,7 +24,7 @@ from hzpsim.model import Model
 from hzpsim.ops import OpGraph
 from hzpsim.strategies._model_parallel import Degrees, UnitEmitter, mp_units
 from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, ShardedParams, flat_uses, grad_norm
-from hzpsim.training import Training
+from hzpsim.training import Training, check_micro_batches
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ def check(plan: FamilyPlan, model: Model, training: Training, topology: Topology
             f"training.global_batch_size: {training.global_batch_size} is not divisible by "
             f"micro_batch_size x data-parallel size = {training.micro_batch_size} x {dp}"
         )
+    check_micro_batches(training.global_batch_size // (training.micro_batch_size * dp))
     if deg.ep > 1 or deg.etp > 1:
         if model.moe is None:
             raise ValueError("ep: expert parallelism needs an MoE model (model.moe)")

@@ -26,7 +26,7 @@ from hzpsim.model import Model
 from hzpsim.ops import OpGraph
 from hzpsim.strategies._model_parallel import Degrees, MPUnit, UnitEmitter, merge_units, mp_units
 from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, ShardedParams, Use, grad_norm
-from hzpsim.training import Training
+from hzpsim.training import Training, check_micro_batches
 
 
 @dataclass(frozen=True)
@@ -130,6 +130,7 @@ def layout(config: Config, model: Model, training: Training, topology: Topology)
             f"micro_batch_size x data-parallel size = {training.micro_batch_size} x {dp}"
         )
     m = training.global_batch_size // per_step
+    check_micro_batches(m)
     if config.vpp > 1 and m % p:
         raise ValueError(f"vpp: interleaving needs the {m} micro-batches per step to be a multiple of pp={p}")
     if config.ep > 1 or config.etp > 1:

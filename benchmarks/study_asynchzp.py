@@ -1,0 +1,96 @@
+"""The AsyncHZP study (docs/asynchzp.md): the paper's cluster shape, 70B dense and an MoE model.
+
+    python benchmarks/study_asynchzp.py            # about a minute on 2 cores
+
+hzp-npu preset (16 cards per node as two 8-card full-mesh islands, 200 Gb/s RoCE per card,
+~300 TFLOP/s, 64 GB), 1,024 cards, a 16M-token global batch (4,096 sequences of 4,096):
+ZeRO-3, AsyncHZP (8|8|1024) and its synchronous variant, the best of a small grid of
+Megatron ND layouts, and adaptive AsyncHZP; then 256 -> 1,024 weak scaling (16K tokens per
+card per step) and the same comparison for an MoE model (Mixtral 8x7B).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from hzpsim.cli import _label
+from hzpsim.planner import run_choice
+from hzpsim.scenario import scenario_from_mapping
+
+
+def run(model: str, cards: int, strategy: dict, recompute: str = "full", seqs_per_card: int = 4) -> dict[str, Any]:
+    sc = scenario_from_mapping({
+        "model": model,
+        "training": {"global_batch_size": seqs_per_card * cards, "activation_recompute": recompute},
+        "cluster": {"preset": "hzp-npu", "num_nodes": cards // 16},
+        "strategy": strategy,
+    })
+    return run_choice(sc, sc.strategies[0])
+
+
+def row(r: dict[str, Any]) -> str:
+    b = r["memory_breakdown_bytes"]
+    return (f"| {_label(r['strategy_resolved'])} | {r['tokens_per_s_per_device']:,.0f} | {r['mfu']:.1%} | "
+            f"{r['peak_memory_bytes'] / 2**30:.1f} {'' if r['fits_in_memory'] else '(OOM)'} | "
+            f"{r['exposed_comm_s']:.2f} / {r['step_time_s']:.2f} | {r['overlap_fraction'] or 0:.0%} | "
+            f"{r['comm_bytes_per_device']['intra_node'] / 1e9:.0f} / {r['comm_bytes_per_device']['inter_node'] / 1e9:.0f} | "
+            f"{(b['buffers'] + b['other']) / 2**30:.1f} |")
+
+
+HEADER = ("| strategy | tokens/s/card | MFU | peak GiB | exposed / step s | overlap | intra / inter GB | buffers+other GiB |\n"
+          "|---|---|---|---|---|---|---|---|")
+
+
+def best_nd(model: str, cards: int, grid: list[dict]) -> dict[str, Any]:
+    best = None
+    for layout in grid:
+        try:
+            r = run(model, cards, {"name": "nd", "sequence_parallel": True, "zero_stage": 1, **layout})
+        except ValueError:
+            continue
+        if r["fits_in_memory"] and (best is None or r["tokens_per_s"] > best["tokens_per_s"]):
+            best = r
+    assert best is not None
+    return best
+
+
+def main() -> int:
+    start = time.perf_counter()
+    dense = "llama2-70b"
+    print(f"## {dense} on 1,024 hzp-npu cards, 16M tokens per step\n\n{HEADER}")
+    for strategy in ({"name": "zero", "stage": 3},
+                     {"name": "asynchzp", "param_group_size": 8, "grad_group_size": 8, "optim_group_size": 1024},
+                     {"name": "asynchzp", "param_group_size": 8, "grad_group_size": 8, "optim_group_size": 1024,
+                      "async": False},
+                     {"name": "asynchzp", "adaptive": True}):
+        print(row(run(dense, 1024, strategy)))
+    grid = [{"tp": t, "pp": p, "vpp": v} for t in (4, 8) for p in (2, 4, 8) for v in (1, 2)]
+    print(row(best_nd(dense, 1024, grid)))
+
+    print(f"\n## weak scaling, {dense}, 16K tokens per card per step\n")
+    print("| strategy | 256 cards tokens/s/card | 1,024 cards tokens/s/card | linearity |\n|---|---|---|---|")
+    for strategy in ({"name": "zero", "stage": 3}, {"name": "asynchzp"},
+                     {"name": "nd", "tp": 8, "pp": 4, "sequence_parallel": True, "zero_stage": 1}):
+        small, large = run(dense, 256, strategy), run(dense, 1024, strategy)
+        print(f"| {_label(large['strategy_resolved'])} | {small['tokens_per_s_per_device']:,.0f} | "
+              f"{large['tokens_per_s_per_device']:,.0f} | "
+              f"{large['tokens_per_s_per_device'] / small['tokens_per_s_per_device']:.1%} |")
+
+    moe = "mixtral-8x7b"
+    print(f"\n## {moe} on 1,024 hzp-npu cards, 16M tokens per step\n\n{HEADER}")
+    for strategy in ({"name": "zero", "stage": 3},
+                     {"name": "asynchzp"},
+                     {"name": "asynchzp", "ep": 8},
+                     {"name": "asynchzp", "async": False, "ep": 8},
+                     {"name": "asynchzp", "adaptive": True, "ep": 8}):
+        print(row(run(moe, 1024, strategy)))
+    grid = [{"tp": t, "pp": p, "ep": e} for t in (1, 2, 4) for p in (1, 2, 4) for e in (4, 8)]
+    print(row(best_nd(moe, 1024, grid)))
+    print(f"\n(study took {time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -166,6 +166,7 @@ def test_run_json_values_follow_the_definitions(tiny_report):
             "cluster.num_nodes=1",
             "training.global_batch_size=8",
             "training.activation_recompute=none",
+            "strategy.name=zero",
         ],
     )
     model = sc.model

@@ -117,6 +117,8 @@ def test_installed_hzpsim_run_json(installed):
         "cluster.num_nodes=1",
         "--set",
         "training.global_batch_size=8",
+        "--set",
+        "strategy.name=zero",
         "--json",
     ]
     result = _run(argv, cwd=work, env=env)

@@ -163,7 +163,7 @@ def test_scenario_file_loads(tmp_path: Path):
 
 def test_default_scenario_loads_with_overrides():
     sc = load_scenario(
-        None, ["model=tiny-dense", "cluster.num_nodes=1", "training.global_batch_size=8"]
+        None, ["model=tiny-dense", "cluster.num_nodes=4", "training.global_batch_size=32"]
     )
     assert sc.model.name == "tiny-dense"
     assert len(sc.strategies) >= 2

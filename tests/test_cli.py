@@ -226,11 +226,13 @@ def test_run_default_scenario_with_sets(capsys):
         capsys,
         "run",
         "--set",
-        "model=tiny-dense",
+        "model=llama3-8b",
         "--set",
-        "cluster.num_nodes=1",
+        "model.num_layers=2",
         "--set",
-        "training.global_batch_size=8",
+        "cluster.num_nodes=4",
+        "--set",
+        "training.global_batch_size=32",
         "--json",
     )
     assert rc == 0, err

@@ -163,9 +163,9 @@ def test_scenario_file_loads(tmp_path: Path):
 
 def test_default_scenario_loads_with_overrides():
     sc = load_scenario(
-        None, ["model=tiny-dense", "cluster.num_nodes=4", "training.global_batch_size=32"]
+        None, ["model=llama3-8b", "cluster.num_nodes=4", "training.global_batch_size=32"]
     )
-    assert sc.model.name == "tiny-dense"
+    assert sc.model.name == "llama3-8b"
     assert len(sc.strategies) >= 2
 
 

@@ -174,3 +174,13 @@ def test_collective_whose_group_never_assembles_is_reported():
     g.ops[w].deps = (gate,)  # rank 1 never reaches z: w waits for gate, which waits for z
     with pytest.raises(GraphError, match="collective 'z' .* never assembled: 1 of 2"):
         simulate(g, dgx_h100(), UNIT)
+
+
+def test_compute_slows_while_its_rank_communicates():
+    topo = dgx_h100()
+    slow = Efficiency(1.0, 1.0, 1.0, 1.0, "test", comm_overlap_slowdown=0.25)
+    comm_alone = simulate(_ag_graph(("ag",)), topo, slow).end_s[0]
+    trace = simulate(_ag_graph(("ag",), with_compute=True), topo, slow)
+    # the gemm runs at 1/1.25 while the gather is in flight, then at full speed
+    assert trace.end_s[1] == pytest.approx(comm_alone)
+    assert trace.end_s[0] == pytest.approx(comm_alone + 1.0 - comm_alone / 1.25)

@@ -28,6 +28,7 @@ class Efficiency:
     attention_backward: float  # flash-attention backward kernel
     hbm: float  # streaming kernels, fraction of the HBM bandwidth
     source: str
+    comm_overlap_slowdown: float = 0.0  # compute runs 1/(1 + this) as fast while the rank communicates
 
 
 # docs/hardware-constants.md §1 (GEMM: stas00/ml-engineering "Maximum Achievable Matmul FLOPS"),

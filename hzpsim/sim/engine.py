@@ -28,6 +28,16 @@ from hzpsim.sim.network import Network, Resource
 UNDONE = -1.0
 
 
+class _Running:
+    """A compute op in progress whose speed may change (see Engine._talk)."""
+
+    __slots__ = ("op", "remaining_s", "rate", "since_s", "done", "generation")
+
+    def __init__(self, op: Op, remaining_s: float, rate: float, since_s: float, done: simpy.Event) -> None:
+        self.op, self.remaining_s, self.rate, self.since_s, self.done = op, remaining_s, rate, since_s, done
+        self.generation = 0
+
+
 @dataclass
 class Trace:
     """What happened: start and end of every op, plans of collectives, memory timelines."""
@@ -63,6 +73,11 @@ class Engine:
         self.spans = {name: topology.span(ranks) for name, ranks in graph.groups.items()}
         self.memory_events: dict[int, list[tuple[float, str, float]]] = {r: [] for r in graph.weights}
         self._capacity_cache: dict[str, float] = {}
+        # Compute slows down while the same rank communicates (collective kernels take SMs and
+        # memory bandwidth): running compute ops progress at 1 / (1 + slowdown) then.
+        self.slowdown = self.compute_model.efficiency.comm_overlap_slowdown
+        self._talking = dict.fromkeys(graph.weights, 0)  # collectives in flight per rank
+        self._running: dict[int, list[_Running]] = {r: [] for r in graph.weights}
 
     def _capacity(self, resource: Resource) -> float:
         level = resource[1]
@@ -87,6 +102,8 @@ class Engine:
 
     def _finish(self, op: Op) -> None:
         self.end_s[op.id] = self.env.now
+        if self.slowdown and op.kind != COMPUTE:
+            self._talk(op, -1)
         if op.free:
             self._memory(op, op.free, -1.0)
         event = self._waiters.pop(op.id, None)
@@ -103,7 +120,10 @@ class Engine:
                 self.start_s[op.id] = self.env.now
                 if op.alloc:
                     self._memory(op, op.alloc, 1.0)
-                yield self.env.timeout(self.compute_model.duration_s(op))
+                if self.slowdown:
+                    yield self._start_slowable(op)
+                else:
+                    yield self.env.timeout(self.compute_model.duration_s(op))
                 self._finish(op)
             else:
                 self._arrived[op.id] += 1
@@ -112,10 +132,51 @@ class Engine:
                 if end_s[op.id] == UNDONE:
                     yield self._wait(op.id)
 
+    # ------------------------------------------------------------------ compute slowdown
+
+    def _rate(self, rank: int) -> float:
+        return 1.0 / (1.0 + self.slowdown) if self._talking[rank] else 1.0
+
+    def _start_slowable(self, op: Op) -> simpy.Event:
+        rank = op.ranks[0]
+        job = _Running(op, self.compute_model.duration_s(op), self._rate(rank), self.env.now, self.env.event())
+        self._running[rank].append(job)
+        self._schedule(job)
+        return job.done
+
+    def _schedule(self, job: _Running) -> None:
+        job.generation += 1
+        generation = job.generation
+        timer = self.env.timeout(max(job.remaining_s / job.rate, 0.0))
+        timer.callbacks.append(lambda _event: self._job_timer(job, generation))
+
+    def _job_timer(self, job: _Running, generation: int) -> None:
+        if generation != job.generation:
+            return
+        self._running[job.op.ranks[0]].remove(job)
+        job.done.succeed()
+
+    def _talk(self, op: Op, delta: int) -> None:
+        """A collective starts (+1) or ends (-1) on its ranks: re-time their running compute."""
+        senders = op.ranks[:1] if op.collective == "send_recv" else op.ranks
+        now = self.env.now
+        for rank in senders:
+            before = self._rate(rank)
+            self._talking[rank] += delta
+            after = self._rate(rank)
+            if after == before:
+                continue
+            for job in self._running[rank]:
+                job.remaining_s -= (now - job.since_s) * job.rate
+                job.rate, job.since_s = after, now
+                self._schedule(job)
+
     def _collective(self, op: Op) -> None:
         """All participants have arrived: pay the latency, then move the bytes (callbacks, not
         a process: collectives are the most frequent events)."""
         self.start_s[op.id] = self.env.now
+        if self.slowdown:
+            self._talk(op, +1)
         if op.alloc:
             self._memory(op, op.alloc, 1.0)
         assert op.group is not None and op.collective is not None

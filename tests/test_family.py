@@ -200,3 +200,13 @@ def test_symmetry_matches_expansion():
         sym.pop(key)
         full.pop(key)
     assert json.dumps(sym, sort_keys=True) == json.dumps(full, sort_keys=True)
+
+
+def test_ddp_matches_its_row():
+    sc = scenario({"name": "ddp"}, model="tiny-dense")
+    graph, trace = trace_of(sc)
+    psi, bg = sc.model.num_params(), 4
+    grads = lambda op: op.category == "grad_reduce"  # noqa: E731
+    assert bytes_by(graph, trace, grads) == pytest.approx(2 * (N - 1) / N * psi * bg, rel=1e-12)
+    static = graph.static_memory[0]
+    assert static["params"] + static["grads"] + static["optimizer"] == pytest.approx((2 + bg + 12) * psi)

@@ -1,0 +1,35 @@
+"""DDP: every rank holds all model states; gradients are all-reduced per unit, overlapping the
+last micro-batch's backward (PyTorch DDP buckets, Megatron's non-distributed optimizer).
+
+The (1, 1, 1) case of the nested sharding groups. Run with::
+
+    hzpsim run --set strategy.name=ddp --set model=llama3-8b
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hzpsim.cluster.topology import Topology
+from hzpsim.model import Model
+from hzpsim.ops import OpGraph
+from hzpsim.strategies import _family
+from hzpsim.strategies._sharded import Schedule
+from hzpsim.training import Training
+
+
+@dataclass(frozen=True)
+class Config:
+    overlap_grad_reduce: bool = True  # all-reduce buckets as the last backward produces them
+
+
+def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
+    return _family.FamilyPlan(1, 1, 1, Schedule(overlap_grad_reduce=config.overlap_grad_reduce))
+
+
+def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
+    _family.check(plan(config, topology), model, training, topology)
+
+
+def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+    return _family.build(plan(config, topology), model, training, topology, expand)

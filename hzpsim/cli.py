@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from hzpsim import __version__, strategies
+from hzpsim import __version__, strategies, validation
 from hzpsim.cluster.devices import DEVICES
 from hzpsim.config import ScenarioError
 from hzpsim.ops import GraphError
@@ -143,6 +143,10 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--json", action="store_true", help="print the DESIGN §5 JSON contract")
         p.add_argument("--expand", action="store_true", help="simulate every device instead of one per equivalence class")
         p.add_argument("--explain", action="store_true", help="print the decision table of adaptive choices")
+    p = sub.add_parser("validate", help="compare predictions with measured runs")
+    what = p.add_subparsers(dest="target", required=True)
+    published = what.add_parser("published", help="the published large runs in hzpsim/data/published_calibration.csv")
+    validation.add_arguments(published)
     p = sub.add_parser("list", help="list devices, cluster presets, workloads and strategies")
     p.add_argument("what", nargs="?", choices=("devices", "presets", "topologies", "workloads", "models", "strategies"))
     return parser
@@ -153,6 +157,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "list":
             return _cmd_list(args)
+        if args.command == "validate":
+            return validation.run_from_args(args)
         return _cmd_run(args, compare=args.command == "compare")
     except (ScenarioError, GraphError) as exc:
         print(f"hzpsim: error: {exc}", file=sys.stderr)

@@ -353,6 +353,17 @@ def _sequence_parallel(row: dict[str, Any], tp: int) -> bool:
     return tp > 1 and modern
 
 
+def _pre_flash_attention(row: dict[str, Any]) -> bool:
+    """Runs that predate FlashAttention in their framework materialise the s x s scores (fused
+    softmax + dropout): Megatron-LM 2021-22 (SC'21, Korthikanti), Megatron-DeepSpeed (BLOOM,
+    DeepSpeed-Azure), metaseq (OPT), DeepSpeed ZeRO-3(-Offload)/ZeRO++ blog runs and the
+    PyTorch 1.11 FSDP prototype. Everything later (Megatron-Core, NeMo, torchtitan,
+    LLM-Foundry 'flash attn') uses flash attention, the schema default."""
+    system = _text(row, "system").lower()
+    return system == "megatron-lm" or any(
+        k in system for k in ("megatron-deepspeed", "deepspeed zero", "metaseq", "1.11 prototype"))
+
+
 def _grad_dtype(row: dict[str, Any]) -> str | None:
     """Dtype gradients are reduced in: LLM-Foundry 'PURE' mixed precision reduces in bf16;
     DeepSpeed fp16 reduces in fp16 (its communication_data_type defaults to the working dtype;
@@ -402,7 +413,7 @@ def map_strategy(row: dict[str, Any], n_gpus: int, gpus_per_node: int) -> tuple[
     if family == "zeropp":
         # ZeRO++ = ZeRO-3 + qwZ (int8 weight all-gather) + hpZ (secondary bf16 copy of the
         # weights sharded inside one node) + qgZ (int4 hierarchical gradient reduce-scatter).
-        # Field names follow data/strategies.md; adjust when hzpsim.strategies.zeropp lands.
+        # Field names are hzpsim.strategies.zeropp.Config's; hpZ secondary group = one node (paper).
         return {
             "name": "zeropp",
             "hpz_partition_size": gpus_per_node,
@@ -571,6 +582,8 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
         grad = _grad_dtype(row)
         if grad:
             training["grad_dtype"] = grad
+        if _pre_flash_attention(row):
+            training["flash_attention"] = False
         mapping = {"model": model, "training": training, "cluster": cluster, "strategy": strategy}
         measured = measured_values(row, model)
         note = _param_check(model, row)
@@ -694,6 +707,10 @@ def validate_published(
             scenario = scenario_from_mapping(case.scenario_mapping, source=case.label)
         except ScenarioError as exc:
             rec.update(status="invalid", reason=str(exc))
+            records.append(rec)
+            continue
+        except Exception as exc:  # a strategy plugin's bug in check(): record, keep going
+            rec.update(status="error", reason=f"{type(exc).__name__}: {exc}")
             records.append(rec)
             continue
         t0 = time.perf_counter()

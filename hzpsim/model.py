@@ -516,6 +516,39 @@ class Model:
             terms["mlp_intermediate"] = (per_ffn * B * self.ffn_hidden_size, "split")
         return terms
 
+    def elementwise_bytes_per_token(self, i: int, act_bytes: int = 2) -> dict[str, tuple[float, str]]:
+        """HBM bytes the memory-bound kernels of layer ``i``'s forward move per token, eager and
+        unfused (bias adds are fused into GEMM epilogues and not counted) [INF, counted kernel
+        by kernel]: each norm reads its input and writes its output (2·B·h); each residual add
+        reads two tensors and writes one (3·B·h); each dropout reads and writes B·h and writes a
+        1-byte mask; RoPE reads and writes Q and K; GELU reads and writes the B·f intermediate,
+        SwiGLU reads gate and up and writes their product (3·B·f); an MoE layer also permutes
+        and un-permutes its top_k token copies (read + write each way). Same kinds as
+        activation_terms_per_token ("replicated" / "split" under tensor parallelism). A GPT
+        layer (MHA, GELU, 4h, dropout, B = 2) moves 46·h bytes per token.
+        """
+        h, B = self.hidden_size, act_bytes
+        mask = 1 if self.dropout else 0
+        terms: dict[str, tuple[float, str]] = {
+            "norms": (2 * 2 * B * h, "replicated"),
+            "residual_adds": (2 * 3 * B * h, "replicated"),
+            "dropouts": (2 * mask * (2 * B * h + h), "replicated"),
+        }
+        if self.position_embedding == "rope" and self.mla is None:
+            d = self.head_dim_resolved
+            terms["rope"] = (2 * B * (self.num_heads + self.kv_heads) * d, "split")
+        per_ffn = 3 if self.mlp == "swiglu" else 2
+        if self.is_moe_layer(i):
+            assert self.moe is not None
+            k = self.moe.top_k
+            terms["activation_fn"] = (
+                per_ffn * B * (k * self.moe.expert_ffn_hidden_size
+                               + self.moe.num_shared_experts * self.moe.shared_ffn_resolved), "split")
+            terms["permute"] = (2 * 2 * k * B * h, "replicated")
+        else:
+            terms["activation_fn"] = (per_ffn * B * self.ffn_hidden_size, "split")
+        return terms
+
     def activation_bytes_per_layer(
         self,
         i: int,

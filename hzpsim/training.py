@@ -32,6 +32,8 @@ class Training:
     grad_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype gradients are accumulated and reduced in
     activation_recompute: Literal["none", "selective", "full"] = "none"
     flash_attention: bool = True  # attention scores are never stored (no s^2 activation term)
+    autocast: bool = False  # torch.autocast mixed precision: fp32 residual stream and elementwise
+    # kernels, GEMM inputs cast to `precision` (LLM-Foundry amp_bf16); false = pure bf16 (Megatron, FSDP2)
     num_steps: int = 2  # optimizer steps simulated; the last one is reported (steady state)
 
     def validate(self) -> None:

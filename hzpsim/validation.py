@@ -584,6 +584,9 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
             training["grad_dtype"] = grad
         if _pre_flash_attention(row):
             training["flash_attention"] = False
+        if "amp" in _text(row, "precision").lower():
+            training["autocast"] = True
+            assumptions.append("precision 'amp': torch.autocast (fp32 residual stream, casts before GEMMs)")
         mapping = {"model": model, "training": training, "cluster": cluster, "strategy": strategy}
         measured = measured_values(row, model)
         note = _param_check(model, row)

@@ -330,3 +330,12 @@ def test_summary_is_plain_data():
     assert s["name"] == "mixtral-8x7b"
     assert s["num_params"] == load("mixtral-8x7b").num_params()
     assert s["num_experts"] == 8 and s["attention"] == "gqa"
+
+
+def test_elementwise_traffic_of_a_gpt_layer_is_46h_bytes_per_token():
+    # counted kernel by kernel: 2 norms (read + write), 2 residual adds (2 reads + write),
+    # 2 dropouts (read + write + 1-byte mask), GELU on the 4h intermediate (read + write)
+    m = Model(num_layers=1, hidden_size=1024, num_heads=16, ffn_hidden_size=4096, vocab_size=128,
+              seq_len=2048, mlp="gelu", norm="layernorm", position_embedding="learned")
+    total = sum(v for v, _ in m.elementwise_bytes_per_token(0).values())
+    assert total == 46 * 1024

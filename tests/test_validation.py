@@ -114,7 +114,7 @@ def test_mpt_fsdp_row_mapping(cases):
     assert m["model"]["position_embedding"] == "alibi" and m["model"]["mlp"] == "gelu"
     assert m["model"]["linear_bias"] is False and m["model"]["tied_embeddings"] is True
     assert m["training"] == {"global_batch_size": 48, "micro_batch_size": 6, "precision": "bf16",
-                             "activation_recompute": "none"}
+                             "activation_recompute": "none", "autocast": True}
     assert c.measured["tokens_per_s_per_gpu"] == 10643.0 and c.measured["derived"] == {}
     assert c.runnable
     # 'bf16 (PURE)' reduces gradients in bf16

@@ -23,26 +23,38 @@ from hzpsim.ops import Op
 class Efficiency:
     """Achieved fraction of peak per kernel class on one device, with its source."""
 
-    gemm: float  # large dense GEMM, fraction of the dense peak of the GEMM dtype
-    attention_forward: float  # flash-attention forward kernel
-    attention_backward: float  # flash-attention backward kernel
+    gemm: float  # large dense GEMM, fraction of the dense peak of the GEMM dtype (bf16/fp16)
+    attention_forward: float  # flash-attention forward kernel (bf16)
+    attention_backward: float  # flash-attention backward kernel (bf16)
     hbm: float  # streaming kernels, fraction of the HBM bandwidth
     source: str
     comm_overlap_slowdown: float = 0.0  # compute runs 1/(1 + this) as fast while the rank communicates
+    gemm_fp8: float | None = None  # large fp8 GEMM, fraction of the fp8 peak (None: no fp8 units)
 
 
 # docs/hardware-constants.md §1 (GEMM: stas00/ml-engineering "Maximum Achievable Matmul FLOPS"),
-# §2 (FlashAttention-2 paper on A100, FlashAttention-3 paper on H100), §4 (HBM: ~0.87-0.90).
+# §2 (FlashAttention-2 paper on A100; on H100 the published runs use FA2-class kernels, which
+# reach 335 TF/s forward+backward = 0.34 of peak per the FA2 blog / FA3 abstract), §4 (HBM:
+# ~0.87-0.90), §6 (NCCL kernels slow overlapped compute by 18.9 % on average, Lee et al. 2025,
+# arXiv 2507.03114).
 _FA2_A100 = (0.73, 0.63)  # Dao 2023 §1: up to 73 % forward, 63 % backward of peak
-_FA3_H100 = (0.75, 0.50)  # Shah et al. 2024: 740 TF/s forward (75 %); backward 1.5-1.75x FA2-on-H100 [INF]
+_FA2_H100 = (0.34, 0.34)  # FA2 on H100: 335 TF/s forward+backward, "only 35 % utilization"
+_SM_CONTENTION = 0.189  # measured average compute slowdown while NCCL collectives overlap it
 EFFICIENCY: dict[str, Efficiency] = {
-    "a100-40gb": Efficiency(0.869, *_FA2_A100, 0.87, "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %"),
-    "a100-80gb": Efficiency(0.869, *_FA2_A100, 0.87, "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %"),
-    "h100-sxm": Efficiency(0.803, *_FA3_H100, 0.90, "MAMF H100 SXM 794/989 TF; FA3 paper; FlashMLA H800 3000/3350 GB/s"),
-    "h200": Efficiency(0.803, *_FA3_H100, 0.90, "MAMF: 'H200 is the same' as H100; FA3 paper; FlashMLA"),
-    "mi250x": Efficiency(0.767, *_FA2_A100, 0.87, "MAMF MI250X GCD 147/191.5 TF; FA2-class kernels [INF]"),
-    "v100": Efficiency(0.85, 0.60, 0.50, 0.87, "[INF] V100 PCIe ~90 % (forum); no flash kernels on V100"),
-    "npu-910b": Efficiency(0.80, 0.60, 0.50, 0.87, "[INF] H100-class fractions; 910B peak not sourced"),
+    "a100-40gb": Efficiency(0.869, *_FA2_A100, 0.87, "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %",
+                            _SM_CONTENTION),
+    "a100-80gb": Efficiency(0.869, *_FA2_A100, 0.87, "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %",
+                            _SM_CONTENTION),
+    "h100-sxm": Efficiency(0.803, *_FA2_H100, 0.90, "MAMF H100 SXM 794/989 TF (fp8 1403/1979); FA2 on H100; "
+                           "FlashMLA H800 3000/3350 GB/s", _SM_CONTENTION, gemm_fp8=0.709),
+    "h200": Efficiency(0.803, *_FA2_H100, 0.90, "MAMF: 'H200 is the same' as H100 (fp8 1453/1979); FA2 on H100",
+                       _SM_CONTENTION, gemm_fp8=0.734),
+    "mi250x": Efficiency(0.767, *_FA2_A100, 0.87, "MAMF MI250X GCD 147/191.5 TF; FA2-class kernels [INF]",
+                         _SM_CONTENTION),
+    "v100": Efficiency(0.85, 0.60, 0.50, 0.87, "[INF] V100 PCIe ~90 % (forum); no flash kernels on V100",
+                       _SM_CONTENTION),
+    "npu-910b": Efficiency(0.80, 0.60, 0.50, 0.87, "[INF] H100-class fractions; 910B peak not sourced",
+                           _SM_CONTENTION),
     "cpu-local": Efficiency(1.0, 1.0, 1.0, 1.0, "peaks are this machine's measured rates"),
 }
 
@@ -57,12 +69,18 @@ class ComputeModel:
     def __init__(self, device: Device, dtype: str, efficiency: Efficiency | None = None) -> None:
         self.device = device
         self.efficiency = efficiency or efficiency_for(device)
-        self.peak_flops_per_s = device.peak_flops_per_s(dtype)
         eff = self.efficiency
+        # fp8 training runs the GEMMs in fp8 and everything else (attention) in bf16 (DESIGN §5)
+        attention_dtype = "bf16" if dtype == "fp8" else dtype
+        gemm_efficiency = eff.gemm
+        if dtype == "fp8" and device.peak_fp8_flops_per_s is not None and eff.gemm_fp8 is not None:
+            gemm_efficiency = eff.gemm_fp8
+        self.peak_flops_per_s = device.peak_flops_per_s(dtype)
+        attention_peak = device.peak_flops_per_s(attention_dtype)
         self._rate: Mapping[str, float] = {
-            "gemm": self.peak_flops_per_s * eff.gemm,
-            "attention_forward": self.peak_flops_per_s * eff.attention_forward,
-            "attention_backward": self.peak_flops_per_s * eff.attention_backward,
+            "gemm": self.peak_flops_per_s * gemm_efficiency,
+            "attention_forward": attention_peak * eff.attention_forward,
+            "attention_backward": attention_peak * eff.attention_backward,
         }
         self._hbm_bytes_per_s = device.memory_bytes_per_s * eff.hbm
 

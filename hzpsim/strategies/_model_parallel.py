@@ -80,6 +80,7 @@ def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
     b = training.micro_batch_size
     tokens = b * model.seq_len
     act = 4 if training.precision == "fp32" else 2
+    elementwise_bytes = 4 if training.autocast else act  # autocast keeps the residual stream in fp32
     h, vocab = model.hidden_size, model.vocab_size
     local = tokens / c  # tokens of this rank's sequence chunk
     sp_tokens = local / t if deg.sequence_parallel else local  # tokens an MoE layer routes per rank
@@ -95,9 +96,13 @@ def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
     ))
     kv_per_rank = max(model.kv_heads / t, 1.0)
     for i in range(model.num_layers):
-        flops = model.layer_forward_flops(i, tokens, causal=True)
+        # flash attention runs the causal half; unfused attention computes every score as
+        # batched GEMMs and moves the score tensors through HBM
+        flops = model.layer_forward_flops(i, tokens, causal=training.flash_attention)
         attention = flops["attention"] / (t * c)
         attn_gemm = 2.0 * model.attention_matmul_params() * tokens / (t * c)
+        if not training.flash_attention:
+            attn_gemm, attention = attn_gemm + attention, 0.0
         stored = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute="none",
             flash_attention=training.flash_attention, cp=c, act_bytes=act,
@@ -106,6 +111,18 @@ def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute=mode,
             flash_attention=training.flash_attention, cp=c, act_bytes=act,
         )
+        traffic = 0.0
+        for per_token, kind in model.elementwise_bytes_per_token(i, elementwise_bytes).values():
+            traffic += per_token / (t if kind == "split" or deg.sequence_parallel else 1)
+        if training.autocast:  # each GEMM input is cast fp32 -> bf16: read 4, write 2 bytes
+            d = model.head_dim_resolved
+            ffn = (model.moe.top_k * model.moe.expert_ffn_hidden_size) if model.is_moe_layer(i) and model.moe else model.ffn_hidden_size
+            traffic += 6 * (2 * h + model.num_heads * d / t + ffn / t)
+        traffic *= local
+        if not training.flash_attention:
+            # scores written, softmax read + written, dropout read + written + 1-byte mask,
+            # probabilities read by the value GEMM: (6·B + 1) bytes per head per query-key pair
+            traffic += (6 * act + 1) * model.num_heads / t * local * model.seq_len
         norms = model.norm_params_per_layer()
         moe = model.is_moe_layer(i)
         if moe:
@@ -126,13 +143,15 @@ def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
             expert_params = 0.0
             ep_bytes = 0.0
         attn_local, attn_remote = _split(Work(attention_forward=attention), 1 / c)
-        pre = Work(attn_gemm, attn_local.attention_forward, 0.0, stored * 0.5)
-        post = Work(mlp_gemm, 0.0, 0.0, stored * 0.5)
+        pre = Work(attn_gemm, attn_local.attention_forward, 0.0, traffic * 0.5)
+        post = Work(mlp_gemm, 0.0, 0.0, traffic * 0.5)
         forward_gemm = attn_gemm + mlp_gemm
-        backward = Work(2 * forward_gemm, 0.0, 2 * attn_local.attention_forward, 2 * stored)
+        # backward: twice the GEMM FLOPs; its memory-bound kernels read the saved input and the
+        # output gradient and write the input gradient, about twice the forward traffic [INF]
+        backward = Work(2 * forward_gemm, 0.0, 2 * attn_local.attention_forward, 2 * traffic)
         if mode == "full":
             backward = Work(backward.gemm + forward_gemm, attn_local.attention_forward, backward.attention_backward,
-                            backward.bytes_accessed + stored)
+                            backward.bytes_accessed + traffic)
         elif mode == "selective":
             backward = Work(backward.gemm, attn_local.attention_forward, backward.attention_backward,
                             backward.bytes_accessed)
@@ -146,11 +165,14 @@ def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
             cp_bytes, ep_bytes, p2p_bytes, is_moe=moe,
         ))
     head_gemm = model.head_forward_flops(tokens) / (t * c)
-    logits = 4.0 * local * vocab / t
+    # The loss, kernel by kernel per logit [INF]: the GEMM writes bf16 logits (2 bytes), the
+    # cast to fp32 reads 2 and writes 4, log-softmax reads 4 and writes 4 (kept for the
+    # backward); backward: its gradient reads 4 and writes 4, the cast to bf16 reads 4, writes 2.
+    elements = local * vocab / t
     units.append(MPUnit(
         "head", (model.head_params() / t) + model.final_norm_params(), 0.0,
-        Work(head_gemm, 0.0, 0.0, 2 * logits), Work(), Work(), Work(2 * head_gemm, 0.0, 0.0, logits), Work(),
-        logits, 0.0, tp_bytes, 0, 1 if t > 1 else 0, 0.0, 0.0, p2p_bytes,
+        Work(head_gemm, 0.0, 0.0, 16 * elements), Work(), Work(), Work(2 * head_gemm, 0.0, 0.0, 14 * elements),
+        Work(), 4 * elements, 0.0, tp_bytes, 0, 1 if t > 1 else 0, 0.0, 0.0, p2p_bytes,
     ))
     return units
 

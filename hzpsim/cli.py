@@ -21,8 +21,8 @@ from hzpsim import __version__, strategies, validation
 from hzpsim.cluster.devices import DEVICES
 from hzpsim.config import ScenarioError
 from hzpsim.ops import GraphError
-from hzpsim.presets import list_presets
 from hzpsim.planner import choose, format_decisions, run_choice
+from hzpsim.presets import list_presets
 from hzpsim.report import to_json
 from hzpsim.scenario import Scenario, load_scenario
 

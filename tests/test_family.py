@@ -7,10 +7,10 @@ import json
 
 import pytest
 
+from hzpsim import strategies
 from hzpsim.planner import choose, run_choice
 from hzpsim.scenario import scenario_from_mapping
 from hzpsim.sim.engine import simulate
-from hzpsim import strategies
 
 N = 16  # 2 DGX H100 nodes
 A = 2  # micro-batches per step

@@ -9,8 +9,8 @@ import pytest
 from hzpsim.cli import run_choice
 from hzpsim.report import JSON_KEYS
 from hzpsim.scenario import scenario_from_mapping
-from hzpsim.strategies import zero
 from hzpsim.sim.engine import simulate
+from hzpsim.strategies import zero
 
 
 def scenario(stage: int, nodes: int = 2, gbs: int = 32, **training):

@@ -23,7 +23,15 @@ from hzpsim.config import ScenarioError
 from hzpsim.model import Model
 from hzpsim.ops import OpGraph
 from hzpsim.strategies._model_parallel import Degrees, UnitEmitter, mp_units
-from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, ShardedParams, flat_uses, grad_norm
+from hzpsim.strategies._sharded import (
+    Emitter,
+    Ids,
+    NestedSharding,
+    Schedule,
+    ShardedParams,
+    flat_uses,
+    grad_norm,
+)
 from hzpsim.training import Training, check_micro_batches
 
 

@@ -25,7 +25,15 @@ from hzpsim.config import ScenarioError
 from hzpsim.model import Model
 from hzpsim.ops import OpGraph
 from hzpsim.strategies._model_parallel import Degrees, MPUnit, UnitEmitter, merge_units, mp_units
-from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, ShardedParams, Use, grad_norm
+from hzpsim.strategies._sharded import (
+    Emitter,
+    Ids,
+    NestedSharding,
+    Schedule,
+    ShardedParams,
+    Use,
+    grad_norm,
+)
 from hzpsim.training import Training, check_micro_batches
 
 

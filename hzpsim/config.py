@@ -139,7 +139,7 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
             return value.strip()
         raise ScenarioError(f"{path}: expected a non-empty string, got {_describe(value)}")
     if dataclasses.is_dataclass(tp):
-        return from_mapping(tp, value, path)
+        return from_mapping(tp, value, path)  # type: ignore[arg-type]
     raise TypeError(f"unsupported config field type {tp!r} at {path}")  # internal: a config class bug
 
 
@@ -162,7 +162,7 @@ def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
     if not isinstance(data, Mapping):
         raise ScenarioError(f"{path or 'scenario'}: expected a mapping, got {_describe(data)}")
     types_by_name = field_types(cls)
-    keys = {key_of(f): f for f in dataclasses.fields(cls)}  # YAML key -> field
+    keys = {key_of(f): f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # YAML key -> field
     unknown = [k for k in data if k not in keys]
     if unknown:
         known = ", ".join(sorted(keys))

@@ -119,7 +119,8 @@ def ops_by_rank(trace: Trace) -> dict[int, list[Op]]:
 def overlap(trace: Trace, ops: list[Op], window: tuple[float, float]) -> tuple[float, float]:
     """(exposed, hidden) communication seconds of one rank's ``ops`` inside ``window``."""
     lo, hi = window
-    compute, comm = [], []
+    compute: list[tuple[float, float]] = []
+    comm: list[tuple[float, float]] = []
     for op in ops:
         start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
         if end <= start:

@@ -103,7 +103,7 @@ def _num(row: dict[str, Any], col: str) -> float | None:
     if _blank(v):
         return None
     try:
-        return float(v)
+        return float(v)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return None
 
@@ -608,12 +608,12 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
         if "peak" in _text(row, "notes").lower() and "not average" in _text(row, "notes").lower():
             caveats.append("measured value is a peak, not an average")
     except _Skip as exc:
-        return Case(source, index, _label(row, index), None, str(exc), measured, **common,
+        return Case(source, index, _label(row, index), None, str(exc), measured, **common,  # type: ignore[arg-type]
                     assumptions=tuple(assumptions), caveats=tuple(caveats))
     skip = None
     if strategy["name"] not in strategies.available():
         skip = f"strategy {strategy['name']} not implemented yet"
-    return Case(source, index, _label(row, index), mapping, skip, measured, **common,
+    return Case(source, index, _label(row, index), mapping, skip, measured, **common,  # type: ignore[arg-type]
                 assumptions=tuple(assumptions), caveats=tuple(caveats))
 
 

@@ -14,7 +14,7 @@ it never hangs, because SimPy stops when no event is left.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import simpy
@@ -110,7 +110,7 @@ class Engine:
         if event is not None:
             event.succeed()
 
-    def _stream(self, ops: list[Op]) -> Iterator[simpy.Event]:
+    def _stream(self, ops: list[Op]) -> Generator[simpy.Event, None, None]:
         end_s = self.end_s
         for op in ops:
             for d in op.deps:

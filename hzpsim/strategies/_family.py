@@ -134,15 +134,15 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
         last: Ids = {}
         for mb in range(m):
             for u, unit in enumerate(units):
-                deps = [d for s in sharded for d in s.forward_deps(step, mb, u)]
-                free = sum(s.forward_free(u) for s in sharded)
-                last = unit_emit.forward(unit, f"{unit.name}.mb{mb}", deps, step,
-                                         {"activations": unit.activation_bytes}, {"buffers": free} if free else None)
+                deps: list[Ids | None] = [d for s in sharded for d in s.forward_deps(step, mb, u)]
+                released = sum(s.forward_free(u) for s in sharded)
+                last = unit_emit.forward(unit, f"{unit.name}.mb{mb}", deps, step, {"activations": unit.activation_bytes},
+                                         {"buffers": released} if released else None)
                 for s in sharded:
                     s.forward_done(step, mb, u, last)
             for u in reversed(range(len(units))):
                 unit = units[u]
-                deps = [last] + [d for s in sharded for d in s.backward_deps(step, mb, u)]
+                deps = [last, *(d for s in sharded for d in s.backward_deps(step, mb, u))]
                 alloc = {"activations": unit.recompute_bytes, "buffers": sum(s.backward_alloc(u) for s in sharded)}
                 free = {"activations": unit.activation_bytes + unit.recompute_bytes,
                         "buffers": sum(s.backward_free(u) for s in sharded)}
@@ -177,3 +177,16 @@ def async_streams(asynchronous: bool) -> tuple[tuple[str, str], ...]:
     if asynchronous:
         return (("ag", "ag"), ("rs", "rs"), ("dp", "dp"))
     return (("ag", "comm"), ("rs", "comm"), ("dp", "comm"))
+
+
+def delegates(plan_of):
+    """``check`` and ``build`` of a family member whose layout is ``plan_of(config, topology)``:
+    each member module only says how its Config maps to a FamilyPlan."""
+
+    def check_member(config, model: Model, training: Training, topology: Topology) -> None:
+        check(plan_of(config, topology), model, training, topology)
+
+    def build_member(config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+        return build(plan_of(config, topology), model, training, topology, expand)
+
+    return check_member, build_member

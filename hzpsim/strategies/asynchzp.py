@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 from hzpsim.cluster.topology import Topology
 from hzpsim.model import Model
-from hzpsim.ops import OpGraph
 from hzpsim.strategies import _family
 from hzpsim.strategies._model_parallel import Degrees
 from hzpsim.strategies._sharded import Schedule
@@ -115,9 +114,4 @@ def candidates(config: Config, model: Model, training: Training, topology: Topol
     return out
 
 
-def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
-    _family.check(plan(config, topology), model, training, topology)
-
-
-def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
-    return _family.build(plan(config, topology), model, training, topology, expand)
+check, build = _family.delegates(plan)

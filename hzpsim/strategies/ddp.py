@@ -11,11 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.model import Model
-from hzpsim.ops import OpGraph
 from hzpsim.strategies import _family
 from hzpsim.strategies._sharded import Schedule
-from hzpsim.training import Training
 
 
 @dataclass(frozen=True)
@@ -27,9 +24,4 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     return _family.FamilyPlan(1, 1, 1, Schedule(overlap_grad_reduce=config.overlap_grad_reduce))
 
 
-def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
-    _family.check(plan(config, topology), model, training, topology)
-
-
-def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
-    return _family.build(plan(config, topology), model, training, topology, expand)
+check, build = _family.delegates(plan)

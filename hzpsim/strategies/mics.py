@@ -16,12 +16,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.model import Model
-from hzpsim.ops import OpGraph
 from hzpsim.strategies import _family
 from hzpsim.strategies._model_parallel import Degrees
 from hzpsim.strategies._sharded import Schedule
-from hzpsim.training import Training
 
 
 @dataclass(frozen=True)
@@ -43,12 +40,7 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     return _family.FamilyPlan(p, p, p, schedule)
 
 
-def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
-    _family.check(plan(config, topology), model, training, topology)
-
-
-def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
-    return _family.build(plan(config, topology), model, training, topology, expand)
+check, build = _family.delegates(plan)
 
 
 def resolve(config: Config, topology: Topology) -> Config:

@@ -22,11 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.model import Model
-from hzpsim.ops import OpGraph
 from hzpsim.strategies import _family
 from hzpsim.strategies._sharded import Schedule
-from hzpsim.training import Training
 
 
 @dataclass(frozen=True)
@@ -54,9 +51,4 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     return _family.FamilyPlan(*sizes, schedule)
 
 
-def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
-    _family.check(plan(config, topology), model, training, topology)
-
-
-def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
-    return _family.build(plan(config, topology), model, training, topology, expand)
+check, build = _family.delegates(plan)

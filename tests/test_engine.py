@@ -184,3 +184,16 @@ def test_compute_slows_while_its_rank_communicates():
     # the gemm runs at 1/1.25 while the gather is in flight, then at full speed
     assert trace.end_s[1] == pytest.approx(comm_alone)
     assert trace.end_s[0] == pytest.approx(comm_alone + 1.0 - comm_alone / 1.25)
+
+
+def test_opgraph_json_round_trip_replays_identically():
+    from hzpsim.scenario import scenario_from_mapping
+    from hzpsim.strategies import zero
+
+    sc = scenario_from_mapping({"model": "tiny-dense", "training": {"global_batch_size": 16},
+                                "cluster": {"preset": "dgx-h100", "num_nodes": 2},
+                                "strategy": {"name": "zero", "stage": 3}})
+    graph = zero.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
+    again = OpGraph.from_json(graph.to_json())
+    assert again.to_json() == graph.to_json()
+    assert simulate(again, sc.topology).end_s == simulate(graph, sc.topology).end_s

@@ -167,3 +167,17 @@ def test_invalid_layouts_name_the_field(strategy, match):
     model = {**GPT, "num_kv_heads": 4} if strategy.get("tp") == 8 else GPT
     with pytest.raises(ScenarioError, match=match):
         scenario(strategy, model=model, global_batch_size=20 if strategy.get("vpp") == 2 and strategy.get("pp") else 16)
+
+
+def test_fsdp_with_tp_shards_each_tensor_parallel_shard_over_dp():
+    # zero_stage 3 = FSDP + TP as torchtitan composes them: each TP shard's parameters are
+    # sharded again over the dp group and gathered per unit per micro-batch
+    sc = scenario({"tp": 2, "zero_stage": 3})
+    graph, trace = trace_of(sc)
+    psi_tp = sum(u for u in [sc.model.num_params()]) / 2
+    static = graph.static_memory[0]
+    dp = 4
+    assert static["optimizer"] == pytest.approx(12 * psi_tp / dp, rel=0.01)  # norms are replicated over TP
+    last = sc.training.num_steps - 1
+    gathers = [op for op in graph.ops if op.category == "param_gather" and op.step == last]
+    assert gathers and all(len(graph.groups[op.group]) == dp for op in gathers)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import pytest
+from conftest import assert_symmetry_matches_expansion
 
 from hzpsim.cli import run_choice
 from hzpsim.config import ScenarioError
@@ -147,12 +147,7 @@ def test_1f1b_schedule_counts_and_warmup():
 
 def test_symmetry_matches_expansion_for_a_3d_layout():
     sc = scenario({"tp": 2, "pp": 2, "zero_stage": 1}, nodes=1, global_batch_size=8)
-    sym = run_choice(sc, sc.strategies[0])
-    full = run_choice(sc, sc.strategies[0], expand=True)
-    for key in ("sim_wall_s", "num_events"):
-        sym.pop(key)
-        full.pop(key)
-    assert json.dumps(sym, sort_keys=True) == json.dumps(full, sort_keys=True)
+    assert_symmetry_matches_expansion(sc)
 
 
 @pytest.mark.parametrize("strategy,match", [

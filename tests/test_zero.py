@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import assert_symmetry_matches_expansion
 
 from hzpsim.cli import run_choice
 from hzpsim.report import JSON_KEYS
@@ -119,12 +120,7 @@ def test_deterministic_json():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_symmetry_matches_full_expansion_on_two_nodes(stage):
     sc = scenario(stage)
-    sym = run_choice(sc, sc.strategies[0])
-    full = run_choice(sc, sc.strategies[0], expand=True)
-    for key in ("sim_wall_s", "num_events"):  # the expanded run does 16x the work
-        sym.pop(key)
-        full.pop(key)
-    assert json.dumps(sym, sort_keys=True) == json.dumps(full, sort_keys=True)
+    assert_symmetry_matches_expansion(sc)
 
 
 def test_zero3_hides_gathers_behind_compute():

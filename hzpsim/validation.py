@@ -686,7 +686,7 @@ def validate_published(
     was rejected: ScenarioError message) | error (simulation failed). Errors are signed
     (pred - meas) / meas in percent.
     """
-    from hzpsim.cli import run_choice  # the top layer; imported late to keep the CSV side light
+    from hzpsim.planner import run_choice  # imported late to keep the CSV side light
     from hzpsim.scenario import scenario_from_mapping
 
     records = []

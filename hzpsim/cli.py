@@ -12,6 +12,7 @@ Exit codes: 0 ok; 2 invalid input (one line naming what and where); 1 internal e
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ from hzpsim.config import ScenarioError
 from hzpsim.ops import GraphError
 from hzpsim.planner import choose, format_decisions, run_choice
 from hzpsim.presets import list_presets
-from hzpsim.report import to_json
+from hzpsim.report import chrome_trace, to_json
 from hzpsim.scenario import Scenario, load_scenario
 
 __all__ = ["main", "run_choice"]
@@ -89,18 +90,36 @@ def format_summary(scenario: Scenario) -> str:
     )
 
 
+def format_breakdown(report: dict[str, Any]) -> str:
+    """One line per place the critical rank's step goes (``time_breakdown_s``)."""
+    step = report["step_time_s"]
+    parts = [f"{key} {seconds:.2f} s ({seconds / step:.0%})"
+             for key, seconds in sorted(report["time_breakdown_s"].items(), key=lambda kv: -kv[1])
+             if seconds >= 0.001 * step]
+    return "  where the step goes: " + ", ".join(parts)
+
+
 def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
     scenario = load_scenario(args.scenario, args.set or ())
     if compare and len(scenario.strategies) < 2 and not args.json:
         print("note: the scenario has one strategy; give a `strategies:` list to compare several", file=sys.stderr)
-    results = [choose(scenario, choice, expand=args.expand) for choice in scenario.strategies]
+    if args.trace and len(scenario.strategies) != 1:
+        raise ScenarioError(f"--trace {args.trace}: needs a scenario with one strategy (set strategy.name)")
+    traces: list = []
+    results = [choose(scenario, choice, expand=args.expand, traces=traces) for choice in scenario.strategies]
     reports = [report for report, _ in results]
+    if args.trace:
+        with open(args.trace, "w", encoding="utf-8") as handle:
+            json.dump(chrome_trace(traces[0]), handle)
     if args.explain:
+        out = sys.stderr if args.json else sys.stdout
         budget_of = lambda c: scenario.topology.device.memory_bytes * (1 - getattr(c.config, "memory_reserve_fraction", 0.0))  # noqa: E731
         for choice, (report, rows) in zip(scenario.strategies, results):
-            print(f"{_label(report['strategy_resolved'])}:", file=sys.stderr if args.json else sys.stdout)
-            text = format_decisions(rows, budget_of(choice)) if rows else "  nothing to choose (not adaptive)"
-            print(text + "\n", file=sys.stderr if args.json else sys.stdout)
+            print(f"{_label(report['strategy_resolved'])}:", file=out)
+            print(format_breakdown(report), file=out)
+            if rows:
+                print(format_decisions(rows, budget_of(choice)), file=out)
+            print(file=out)
     if args.json:
         print(to_json(reports[0] if len(reports) == 1 and not compare else reports))
     else:
@@ -142,7 +161,9 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a field, e.g. cluster.num_nodes=16")
         p.add_argument("--json", action="store_true", help="print the DESIGN §5 JSON contract")
         p.add_argument("--expand", action="store_true", help="simulate every device instead of one per equivalence class")
-        p.add_argument("--explain", action="store_true", help="print the decision table of adaptive choices")
+        p.add_argument("--explain", action="store_true",
+                       help="print where each step goes and the decision table of adaptive choices")
+        p.add_argument("--trace", metavar="FILE", help="write the reported step as a Chrome/Perfetto trace (one strategy)")
     p = sub.add_parser("validate", help="compare predictions with measured runs")
     what = p.add_subparsers(dest="target", required=True)
     published = what.add_parser("published", help="the published large runs in hzpsim/data/published_calibration.csv")

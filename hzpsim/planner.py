@@ -15,15 +15,19 @@ from typing import Any
 from hzpsim import strategies
 from hzpsim.report import build_report
 from hzpsim.scenario import Scenario, StrategyChoice
-from hzpsim.sim.engine import simulate
+from hzpsim.sim.engine import Trace, simulate
 
 
-def simulate_choice(scenario: Scenario, choice: StrategyChoice, expand: bool = False) -> dict[str, Any]:
-    """Build, simulate and report one fully specified strategy."""
+def simulate_choice(scenario: Scenario, choice: StrategyChoice, expand: bool = False,
+                    traces: list[Trace] | None = None) -> dict[str, Any]:
+    """Build, simulate and report one fully specified strategy (the Trace is appended to
+    ``traces`` when given, e.g. for a Chrome trace)."""
     topology = scenario.topology
     plugin = strategies.get(choice.name)
     graph = plugin.build(choice.config, scenario.model, scenario.training, topology, expand=expand)
     trace = simulate(graph, topology)
+    if traces is not None:
+        traces.append(trace)
     return build_report(trace, scenario.model, scenario.training, choice.resolved())
 
 
@@ -34,14 +38,16 @@ def _resolve(scenario: Scenario, name: str, config: Any) -> StrategyChoice:
     return StrategyChoice(name, config)
 
 
-def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False,
+           traces: list[Trace] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Simulate ``choice``; when it is adaptive, first simulate its candidates and keep the best.
 
-    Returns the report and the decision table (empty when nothing was chosen)."""
+    Returns the report and the decision table (empty when nothing was chosen); the chosen
+    run's Trace is appended to ``traces`` when given."""
     plugin = strategies.get(choice.name)
     config = choice.config
     if not (getattr(config, "adaptive", False) and hasattr(plugin, "candidates")):
-        return simulate_choice(scenario, _resolve(scenario, choice.name, config), expand), []
+        return simulate_choice(scenario, _resolve(scenario, choice.name, config), expand, traces), []
     reserve = getattr(config, "memory_reserve_fraction", 0.0)
     budget = scenario.topology.device.memory_bytes * (1 - reserve)
     rows: list[dict[str, Any]] = []
@@ -53,8 +59,9 @@ def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False) -> 
         except ValueError as exc:
             rows.append({**row, "rejected": str(exc)})
             continue
-        report = simulate_choice(scenario, resolved, expand)
-        rows.append({**row, "report": report, "fits": report["peak_memory_bytes"] <= budget})
+        kept: list[Trace] = []
+        report = simulate_choice(scenario, resolved, expand, kept if traces is not None else None)
+        rows.append({**row, "report": report, "fits": report["peak_memory_bytes"] <= budget, "trace": kept})
     runnable = [r for r in rows if "report" in r]
     fitting = [r for r in runnable if r["fits"]]
 
@@ -64,6 +71,10 @@ def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False) -> 
 
     best = min(fitting, key=rank) if fitting else min(runnable, key=lambda r: r["report"]["peak_memory_bytes"])
     best["chosen"] = True
+    if traces is not None:
+        traces += best.pop("trace")
+    for r in rows:
+        r.pop("trace", None)
     report = dict(best["report"])
     report["strategy_resolved"] = {**best["config"], "adaptive": True}
     return report, rows

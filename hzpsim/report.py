@@ -204,7 +204,64 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
         report["bubble_fraction"] = max(idle_fraction(trace, by_rank[r], window) for r in graph.weights)
     report["memory_over_capacity_bytes"] = max(peak - device.memory_bytes, 0.0)
     report["stream_utilization"] = stream_utilization(trace, by_rank[graph.ranks[0]], window)
+    critical = max(graph.weights, key=lambda r: (overlap(trace, by_rank[r], window)[0], -r))
+    report["time_breakdown_s"] = time_breakdown(trace, by_rank[critical], window)
     return report
+
+
+def time_breakdown(trace: Trace, ops: list[Op], window: tuple[float, float]) -> dict[str, float]:
+    """Where one rank's step goes, instant by instant: ``compute.<category>`` while it computes
+    (forward, backward, optimizer ...), ``exposed.<category>`` while it only communicates
+    (param_gather, grad_reduce, tp, pp, cp, ep ...; shared equally among the categories in
+    flight), ``idle`` while it waits on other ranks (the pipeline bubble). Sums to the step."""
+    lo, hi = window
+    edges: list[tuple[float, int, str]] = []  # (time, +1/-1, key)
+    for op in ops:
+        start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
+        if end > start:
+            key = ("compute." if op.kind == COMPUTE else "exposed.") + op.category
+            edges += [(start, 1, key), (end, -1, key)]
+    edges.sort()
+    active: dict[str, int] = {}
+    out: dict[str, float] = {}
+    last = lo
+    for time, delta, key in edges + [(hi, 0, "")]:
+        if time > last:
+            busy = [k for k, v in active.items() if v > 0]
+            computing = [k for k in busy if k.startswith("compute.")]
+            share = computing or busy or ["idle"]
+            for k in share:
+                out[k] = out.get(k, 0.0) + (time - last) / len(share)
+            last = time
+        if key:
+            active[key] = active.get(key, 0) + delta
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def chrome_trace(trace: Trace, window: tuple[float, float] | None = None) -> dict[str, Any]:
+    """The simulated ranks' ops as a Chrome / Perfetto trace (``chrome://tracing``): one process
+    per simulated rank, one thread per stream, microseconds; only ops overlapping ``window``
+    (default: the reported step)."""
+    if window is None:
+        ends = step_boundaries(trace)
+        window = (ends[-2], ends[-1])
+    lo, hi = window
+    events: list[dict[str, Any]] = []
+    streams: dict[tuple[int, str], int] = {}
+    for op in trace.graph.ops:
+        start, end = trace.start_s[op.id], trace.end_s[op.id]
+        if end < lo or start > hi:
+            continue
+        for rank in op.ranks[:1] if op.collective == "send_recv" else op.ranks:
+            tid = streams.setdefault((rank, op.stream), len(streams))
+            events.append({"name": op.name, "cat": op.category, "ph": "X", "pid": rank, "tid": tid,
+                           "ts": start * 1e6, "dur": (end - start) * 1e6})
+    for (rank, stream), tid in streams.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": stream}})
+    for rank, weight in trace.graph.weights.items():
+        events.append({"name": "process_name", "ph": "M", "pid": rank,
+                       "args": {"name": f"rank {rank} (x{weight} devices)"}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def idle_fraction(trace: Trace, ops: list[Op], window: tuple[float, float]) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from conftest import assert_symmetry_matches_expansion
@@ -176,3 +177,25 @@ def test_fsdp_with_tp_shards_each_tensor_parallel_shard_over_dp():
     last = sc.training.num_steps - 1
     gathers = [op for op in graph.ops if op.category == "param_gather" and op.step == last]
     assert gathers and all(len(graph.groups[op.group]) == dp for op in gathers)
+
+
+def test_time_breakdown_accounts_for_the_whole_step_and_names_the_exposed_tp():
+    sc = scenario({"tp": 4, "pp": 2})
+    report = run_choice(sc, sc.strategies[0])
+    parts = report["time_breakdown_s"]
+    assert sum(parts.values()) == pytest.approx(report["step_time_s"])
+    assert parts["exposed.tp"] > 0 and parts["compute.backward"] > parts["compute.forward"]
+    assert parts.get("idle", 0.0) > 0  # the pipeline bubble
+
+
+def test_chrome_trace_has_every_stage_and_stream(tmp_path):
+    from hzpsim.cli import main
+
+    path = tmp_path / "trace.json"
+    assert main(["run", "--set", "model=tiny-dense", "--set", "cluster.num_nodes=1", "--set",
+                 "training.global_batch_size=8", "--set", "strategy.name=nd", "--set", "strategy.pp=2",
+                 "--trace", str(path)]) == 0
+    events = json.loads(path.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 4}  # the two stage representatives
+    assert {"compute", "pp_fwd"} <= {e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")

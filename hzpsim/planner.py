@@ -13,6 +13,7 @@ import dataclasses
 from typing import Any
 
 from hzpsim import strategies
+from hzpsim.ops import OpGraph
 from hzpsim.report import build_report
 from hzpsim.scenario import Scenario, StrategyChoice
 from hzpsim.sim.engine import Trace, simulate
@@ -25,7 +26,11 @@ def simulate_choice(scenario: Scenario, choice: StrategyChoice, expand: bool = F
     topology = scenario.topology
     plugin = strategies.get(choice.name)
     graph = plugin.build(choice.config, scenario.model, scenario.training, topology, expand=expand)
-    trace = simulate(graph, topology)
+    return _report(scenario, choice, graph, traces)
+
+
+def _report(scenario: Scenario, choice: StrategyChoice, graph: OpGraph, traces: list[Trace] | None) -> dict[str, Any]:
+    trace = simulate(graph, scenario.topology)
     if traces is not None:
         traces.append(trace)
     return build_report(trace, scenario.model, scenario.training, choice.resolved())
@@ -59,10 +64,25 @@ def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False,
         except ValueError as exc:
             rows.append({**row, "rejected": str(exc)})
             continue
+        graph = plugin.build(candidate, scenario.model, scenario.training, scenario.topology, expand=expand)
+        states = max(sum(memory.values()) for memory in graph.static_memory.values())
+        if states > budget:  # resident states alone do not fit: no need to simulate
+            rows.append({**row, "rejected": f"resident states {states / 2**30:.1f} GiB exceed the budget",
+                         "graph": graph, "states": states, "choice": resolved})
+            continue
         kept: list[Trace] = []
-        report = simulate_choice(scenario, resolved, expand, kept if traces is not None else None)
+        report = _report(scenario, resolved, graph, kept if traces is not None else None)
         rows.append({**row, "report": report, "fits": report["peak_memory_bytes"] <= budget, "trace": kept})
     runnable = [r for r in rows if "report" in r]
+    if not runnable:  # nothing fits: simulate the candidate with the smallest resident states
+        least = min((r for r in rows if "graph" in r), key=lambda r: r["states"])
+        kept = []
+        least["report"] = _report(scenario, least["choice"], least["graph"], kept if traces is not None else None)
+        least["fits"], least["trace"] = False, kept
+        runnable = [least]
+    for r in rows:
+        r.pop("graph", None)
+        r.pop("choice", None)
     fitting = [r for r in runnable if r["fits"]]
 
     def rank(r: dict[str, Any]) -> tuple:

@@ -151,9 +151,9 @@ def map_device(gpu: str) -> tuple[str, list[str]]:
         if key in g:
             if "96gb" in g:
                 caveats.append(
-                    "H100 96GB HBM2e @500W (Grand Teton) simulated as h100-sxm: 80 GB memory "
-                    "(fits_in_memory is pessimistic) and the 700 W SXM peak (throughput optimistic); "
-                    "the cluster schema has no memory/peak override"
+                    "H100 96GB HBM2e @500W (Grand Teton) simulated as h100-sxm with 96 GB "
+                    "(cluster.device_memory_bytes) but the 700 W SXM peak and HBM3 bandwidth "
+                    "(throughput optimistic): the 500 W figures are not published"
                 )
             return name, caveats
     raise _Skip(f"gpu: unknown device {gpu!r}")
@@ -326,6 +326,9 @@ def map_cluster(row: dict[str, Any], device: str, n_gpus: int) -> tuple[dict[str
         raise _Skip(f"n_gpus: {n_gpus} is not a multiple of gpus_per_node {gpn}")
     cluster: dict[str, Any] = {"device": device, "num_nodes": n_gpus // gpn}
     notes: list[str] = []
+    memory_gb = re.search(r"(\d+)\s*gb", _text(row, "gpu").lower())
+    if memory_gb and abs(float(memory_gb.group(1)) * 1e9 - get_device(device).memory_bytes) > 1e9:
+        cluster["device_memory_bytes"] = float(memory_gb.group(1)) * 1e9
     if gpn != base.gpus_per_node:
         cluster["gpus_per_node"] = gpn
     text = _text(row, "inter_node")

@@ -361,3 +361,12 @@ def test_expert_placement_parallel_folding():
     assert e.size("edp") == 2
     assert e.groups("ep")[:2] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     assert e.groups("pp") == d.groups("pp")
+
+
+def test_device_memory_override_for_a_variant():
+    # Meta's Grand Teton H100s have 96 GB HBM2e (published); the catalog H100 SXM has 80 GB
+    topo = build_topology(ClusterSpec(preset="dgx-h100", device_memory_bytes=96e9))
+    assert topo.device.memory_bytes == 96e9
+    assert topo.device.peak_bf16_flops_per_s == 989.4e12
+    with pytest.raises(ValueError, match="device_memory_bytes"):
+        ClusterSpec(preset="dgx-h100", device_memory_bytes=-1.0).validate()

@@ -103,6 +103,7 @@ class ClusterSpec:
     intra_node_latency_s: float | None = None
     inter_island_latency_s: float | None = None
     inter_node_latency_s: float | None = None
+    device_memory_bytes: float | None = None  # override of the device's memory capacity (bytes); None = the catalog's
 
     def validate(self) -> None:
         """Check the fields that are set; raise ``ValueError("<field>: <problem>")``."""
@@ -139,6 +140,9 @@ class ClusterSpec:
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name}: must be a finite number of seconds >= 0, got {v!r}")
+        v = self.device_memory_bytes
+        if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
+            raise ValueError(f"device_memory_bytes: must be a positive number of bytes, got {v!r}")
         v = self.spine_oversubscription
         if v is not None and not (_is_number(v) and v >= 1 and math.isfinite(v)):
             raise ValueError(f"spine_oversubscription: must be a finite ratio >= 1, got {v!r}")
@@ -187,10 +191,13 @@ class ClusterSpec:
             values["inter_island_latency_s"] = values[f"{fallback}_latency_s"]
         out = ClusterSpec(**values)
         out.validate()
-        missing = [f.name for f in fields(out) if getattr(out, f.name) is None]
+        missing = [f.name for f in fields(out) if getattr(out, f.name) is None and f.name not in _OPTIONAL]
         if missing:
             raise ValueError(f"{missing[0]}: not set and preset {base_name!r} has no default")
         return out
+
+
+_OPTIONAL = ("device_memory_bytes",)  # may stay None after resolving
 
 
 def _is_number(v: object) -> bool:
@@ -265,6 +272,8 @@ class Topology:
         spec = spec.resolved()
         self.spec: ClusterSpec = spec
         self.device: Device = get_device(spec.device)  # type: ignore[arg-type]
+        if spec.device_memory_bytes is not None:  # e.g. a 96 GB H100 variant
+            self.device = replace(self.device, memory_bytes=float(spec.device_memory_bytes))
         self.num_nodes: int = int(spec.num_nodes)
         self.devices_per_node: int = int(spec.gpus_per_node)  # type: ignore[arg-type]
         self.islands_per_node: int = int(spec.islands_per_node)  # type: ignore[arg-type]

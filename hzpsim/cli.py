@@ -12,6 +12,7 @@ Exit codes: 0 ok; 2 invalid input (one line naming what and where); 1 internal e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 
 from hzpsim import __version__, strategies, validation
 from hzpsim.cluster.devices import DEVICES
-from hzpsim.config import ScenarioError
+from hzpsim.config import ScenarioError, key_of
 from hzpsim.ops import GraphError
 from hzpsim.planner import choose, format_decisions, run_choice
 from hzpsim.presets import list_presets
@@ -143,8 +144,16 @@ def _cmd_list(args: argparse.Namespace) -> int:
         print("cluster presets: " + ", ".join(list_presets("topologies")))
     if what in (None, "workloads", "models"):
         print("workloads: " + ", ".join(list_presets("workloads")))
-    if what in (None, "strategies"):
-        print("strategies: " + ", ".join(strategies.available()))
+    if what is None:
+        print("strategies: " + ", ".join(strategies.available()) + "  (hzpsim list strategies: their fields)")
+    if what == "strategies":
+        for name in strategies.available():
+            plugin = strategies.get(name)
+            summary = (plugin.__doc__ or "").strip().splitlines()[0]
+            print(f"{name}: {summary}")
+            for f in dataclasses.fields(plugin.Config):
+                default = f.default if f.default is not dataclasses.MISSING else "required"
+                print(f"    {key_of(f)} = {json.dumps(default)}")
     return 0
 
 

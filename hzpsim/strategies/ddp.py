@@ -1,5 +1,7 @@
-"""DDP: every rank holds all model states; gradients are all-reduced per unit, overlapping the
-last micro-batch's backward (PyTorch DDP buckets, Megatron's non-distributed optimizer).
+"""DDP: every rank holds all model states and all-reduces the gradients.
+
+The all-reduce runs per unit, overlapping the last micro-batch's backward (PyTorch DDP
+buckets, Megatron's non-distributed optimizer).
 
 The (1, 1, 1) case of the nested sharding groups. Run with::
 

@@ -213,6 +213,10 @@ def scenario_from_mapping(raw: Any, overrides: Sequence[str] = (), source: str =
         raise ScenarioError(f"cluster.{exc}") from None
     scenario = Scenario(model, training, cluster, choices, source)
     topology = scenario.topology
+    try:
+        topology.device.peak_flops_per_s(training.precision)
+    except ValueError as exc:
+        raise ScenarioError(f"training.precision: {exc}") from None
     for i, choice in enumerate(choices):
         path = "strategy" if "strategy" in data else f"strategies[{i}]"
         try:

@@ -370,3 +370,8 @@ def test_device_memory_override_for_a_variant():
     assert topo.device.peak_bf16_flops_per_s == 989.4e12
     with pytest.raises(ValueError, match="device_memory_bytes"):
         ClusterSpec(preset="dgx-h100", device_memory_bytes=-1.0).validate()
+
+
+def test_unpublished_rates_are_refused_not_invented():
+    with pytest.raises(ValueError, match="no published fp32"):
+        get_device("npu-910b").peak_flops_per_s("fp32")

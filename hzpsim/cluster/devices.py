@@ -34,7 +34,7 @@ class Device:
     peak_bf16_flops_per_s: float  # dense
     peak_fp16_flops_per_s: float  # dense
     peak_fp8_flops_per_s: float | None  # dense; None = no fp8 tensor cores (fp8 runs at bf16 rate)
-    peak_fp32_flops_per_s: float  # rate of an exact fp32 GEMM by default (see module docstring)
+    peak_fp32_flops_per_s: float | None  # rate of an exact fp32 GEMM by default (see module docstring); None = not published
     memory_bytes: float  # HBM (or RAM) capacity, bytes
     memory_bytes_per_s: float  # HBM (or RAM) bandwidth, bytes/s
     default_cluster_preset: str  # preset giving this device's usual node fabric
@@ -55,6 +55,8 @@ class Device:
                 return self.peak_bf16_flops_per_s
             return self.peak_fp8_flops_per_s
         if precision == "fp32":
+            if self.peak_fp32_flops_per_s is None:
+                raise ValueError(f"{self.name} has no published fp32 GEMM rate; use bf16 or fp16")
             return self.peak_fp32_flops_per_s
         raise ValueError(f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
 
@@ -158,16 +160,15 @@ DEVICES: dict[str, Device] = {
             peak_bf16_flops_per_s=300 * TERA,  # AsyncHZP paper's cluster figure (DESIGN §4/§5)
             peak_fp16_flops_per_s=300 * TERA,
             peak_fp8_flops_per_s=None,  # 910B has no fp8 cube support [SEC: gitee AI docs list FP16/BF16/INT8]
-            # No published fp32 GEMM rate was found. Placeholder [INF]: bf16/4, the same
-            # bf16 : fp32-matrix ratio as MI250X (383 : 95.7). Calibrate before trusting fp32 runs.
-            peak_fp32_flops_per_s=300 * TERA / 4,
+            # No published fp32 GEMM rate was found: fp32 scenarios on this device are refused.
+            peak_fp32_flops_per_s=None,
             memory_bytes=64 * GIGA,  # 64 GB HBM2e [SEC: gitee AI docs; AsyncHZP reading note]
             memory_bytes_per_s=1.6 * TERA,  # ≈1.6 TB/s, unconfirmed [strategies.md §4]
             default_cluster_preset="hzp-npu",
             source=(
                 "AsyncHZP (arXiv 2510.20111) cluster as reported secondhand: ~300 dense BF16 TF, "
                 "64 GB (DESIGN §4) [SEC]; Ascend 910B class 280-376 TF [SEC strategies.md §4]; "
-                "HBM bandwidth ≈1.6 TB/s unconfirmed [strategies.md §4]; fp32 = bf16/4 placeholder [INF]."
+                "HBM bandwidth ≈1.6 TB/s unconfirmed [strategies.md §4]; no published fp32 GEMM rate."
             ),
         ),
         Device(

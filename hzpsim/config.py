@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
-import typing
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
 
@@ -192,13 +191,3 @@ def to_mapping(obj: Any) -> Any:
     if isinstance(obj, tuple | list):
         return [to_mapping(v) for v in obj]
     return obj
-
-
-def describe_fields(cls: type) -> list[tuple[str, str, Any]]:
-    """(name, type, default) of each field, for ``hzpsim list`` and error messages."""
-    rows = []
-    for name, tp in field_types(cls).items():
-        f = next(x for x in dataclasses.fields(cls) if x.name == name)
-        default = None if f.default is dataclasses.MISSING else f.default
-        rows.append((name, typing.get_origin(tp) and str(tp) or getattr(tp, "__name__", str(tp)), default))
-    return rows

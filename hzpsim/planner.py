@@ -9,7 +9,6 @@ simulate anything themselves.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from hzpsim import strategies
@@ -120,7 +119,3 @@ def format_decisions(rows: list[dict[str, Any]], memory_budget_bytes: float) -> 
         lines.append(f"{sizes:>18} {rep['step_time_s']:>9.3f} {rep['peak_memory_bytes'] / 2**30:>9.1f} "
                      f"{'yes' if r['fits'] else 'no':>5}  {note}")
     return "\n".join(lines)
-
-
-def with_config(choice: StrategyChoice, **changes: Any) -> StrategyChoice:
-    return StrategyChoice(choice.name, dataclasses.replace(choice.config, **changes))

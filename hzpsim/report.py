@@ -169,11 +169,12 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
 
     # Sums over devices: a simulated rank counts once per device it stands for. fsum keeps
     # the symmetric and the expanded runs bit-identical (n copies of x sum to round(n*x)).
-    exposed_worst, comm_parts, hidden_parts = 0.0, [], []
+    comm_parts, hidden_parts = [], []
+    exposed_by_rank: dict[int, float] = {}
     by_rank = ops_by_rank(trace)
     for r in graph.weights:
         exposed, hidden = overlap(trace, by_rank[r], window)
-        exposed_worst = max(exposed_worst, exposed)
+        exposed_by_rank[r] = exposed
         comm_parts.append((exposed + hidden) * graph.weights[r])
         hidden_parts.append(hidden * graph.weights[r])
     comm_total, hidden_total = math.fsum(comm_parts), math.fsum(hidden_parts)
@@ -191,7 +192,7 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
         "memory_capacity_bytes": device.memory_bytes,
         "memory_breakdown_bytes": {c: breakdown[c] for c in MEMORY_CATEGORIES},
         "fits_in_memory": peak <= device.memory_bytes,
-        "exposed_comm_s": exposed_worst,
+        "exposed_comm_s": max(exposed_by_rank.values()),
         "overlap_fraction": hidden_total / comm_total if comm_total > 0 else None,
         "bubble_fraction": None,
         "comm_bytes_per_device": bytes_by_rank[busiest],
@@ -204,7 +205,7 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
         report["bubble_fraction"] = max(idle_fraction(trace, by_rank[r], window) for r in graph.weights)
     report["memory_over_capacity_bytes"] = max(peak - device.memory_bytes, 0.0)
     report["stream_utilization"] = stream_utilization(trace, by_rank[graph.ranks[0]], window)
-    critical = max(graph.weights, key=lambda r: (overlap(trace, by_rank[r], window)[0], -r))
+    critical = max(graph.weights, key=lambda r: (exposed_by_rank[r], -r))
     report["time_breakdown_s"] = time_breakdown(trace, by_rank[critical], window)
     return report
 

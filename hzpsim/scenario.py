@@ -9,7 +9,7 @@ message names the key path; the CLI turns it into exit code 2.
 from __future__ import annotations
 
 import copy
-import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,12 +44,10 @@ class Scenario:
     strategies: tuple[StrategyChoice, ...]
     source: str = "<mapping>"
 
-    @property
+    @functools.cached_property
     def topology(self) -> Topology:
+        """Built once per scenario (the planner asks for it for every candidate)."""
         return build_topology(self.cluster)
-
-    def with_strategy(self, choice: StrategyChoice) -> Scenario:
-        return dataclasses.replace(self, strategies=(choice,))
 
 
 DEFAULT_SCENARIO: dict[str, Any] = {

@@ -15,9 +15,9 @@ import sys
 import time
 from typing import Any
 
-from hzpsim.cli import _label
 from hzpsim.planner import run_choice
 from hzpsim.scenario import scenario_from_mapping
+from hzpsim.strategies import label as _label
 
 
 def run(model: str, cards: int, strategy: dict, recompute: str = "full", seqs_per_card: int = 4) -> dict[str, Any]:

@@ -31,29 +31,6 @@ from hzpsim.scenario import Scenario, load_scenario
 __all__ = ["main", "run_choice"]
 
 
-_SHORT = {"stage": "stage", "zero_stage": "zero", "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep",
-          "vpp": "vpp", "shard_group_size": "g", "partition_size": "g", "hpz_partition_size": "hpz"}
-
-
-def _label(resolved: dict[str, Any]) -> str:
-    """A short name for the table: the sizes that tell strategies apart."""
-    parts = []
-    if resolved.get("param_group_size"):
-        parts.append(f"{resolved['param_group_size']}|{resolved['grad_group_size']}|{resolved['optim_group_size']}")
-    for key, short in _SHORT.items():
-        value = resolved.get(key)
-        trivial = (0, 1) if key in ("tp", "pp", "cp", "ep", "vpp", "dp") else (0,) if key == "zero_stage" else ()
-        if value is not None and value not in trivial:
-            parts.append(f"{short}={value}")
-    if resolved.get("async") is False:
-        parts.append("sync")
-    if resolved.get("sequence_parallel"):
-        parts.append("sp")
-    if resolved.get("adaptive"):
-        parts.append("adaptive")
-    return f"{resolved['name']}({','.join(parts)})" if parts else resolved["name"]
-
-
 def format_table(reports: Sequence[dict[str, Any]]) -> str:
     header = (
         f"{'strategy':<34} {'step s':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
@@ -63,7 +40,7 @@ def format_table(reports: Sequence[dict[str, Any]]) -> str:
     for r in reports:
         overlap = "-" if r["overlap_fraction"] is None else f"{r['overlap_fraction']:.0%}"
         lines.append(
-            f"{_label(r['strategy_resolved']):<34} {r['step_time_s']:>9.3f} {r['tokens_per_s']:>11,.0f} "
+            f"{strategies.label(r['strategy_resolved']):<34} {r['step_time_s']:>9.3f} {r['tokens_per_s']:>11,.0f} "
             f"{r['tflops_per_device']:>11.1f} {r['mfu']:>6.1%} {r['peak_memory_bytes'] / 2**30:>9.1f} "
             f"{'yes' if r['fits_in_memory'] else 'NO':>5} {r['exposed_comm_s']:>9.3f} {overlap:>7} "
             f"{r['comm_bytes_per_device']['inter_node'] / 1e9:>13.1f}"
@@ -116,7 +93,7 @@ def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
         out = sys.stderr if args.json else sys.stdout
         budget_of = lambda c: scenario.topology.device.memory_bytes * (1 - getattr(c.config, "memory_reserve_fraction", 0.0))  # noqa: E731
         for choice, (report, rows) in zip(scenario.strategies, results):
-            print(f"{_label(report['strategy_resolved'])}:", file=out)
+            print(f"{strategies.label(report['strategy_resolved'])}:", file=out)
             print(format_breakdown(report), file=out)
             if rows:
                 print(format_decisions(rows, budget_of(choice)), file=out)

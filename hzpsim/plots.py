@@ -10,15 +10,15 @@ from typing import Any
 
 import pandas as pd
 
+from hzpsim import strategies
+
 
 def reports_frame(reports: Sequence[dict[str, Any]], label_key: str = "label") -> pd.DataFrame:
     """One row per report with the headline numbers (``label`` from ``strategy_resolved``)."""
-    from hzpsim.cli import _label
-
     rows = []
     for r in reports:
         rows.append({
-            label_key: r.get(label_key) or _label(r["strategy_resolved"]),
+            label_key: r.get(label_key) or strategies.label(r["strategy_resolved"]),
             "tokens_per_s_per_device": r["tokens_per_s_per_device"],
             "mfu": r["mfu"],
             "peak_memory_gib": r["peak_memory_bytes"] / 2**30,

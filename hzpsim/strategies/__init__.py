@@ -6,7 +6,9 @@ entry-point group by another package) that exposes:
 - ``Config``: a frozen dataclass of the strategy's fields, each documented with unit and default;
 - ``check(config, model, training, topology)``: raise ``ValueError("<field>: <problem>")`` for
   layouts that cannot run (group sizes that do not divide, batch that does not split, ...);
-- ``build(config, model, training, topology, expand=False) -> OpGraph``.
+- ``build(config, model, training, topology, expand=False) -> OpGraph``;
+- optionally ``label(resolved) -> str``: a short name for tables, from the resolved config
+  (``compose_label`` does the usual ``name(field=value,...)``); without it, the name.
 
 Adding a strategy means adding a module; nothing here lists them. Modules whose name starts
 with an underscore hold shared emitters and are not strategies.
@@ -18,6 +20,7 @@ import importlib
 import pkgutil
 from importlib.metadata import entry_points
 from types import ModuleType
+from typing import Any
 
 from hzpsim.config import ScenarioError
 
@@ -46,3 +49,31 @@ def get(name: str, path: str = "strategy.name") -> ModuleType:
                 raise TypeError(f"strategy plugin {module_name} lacks {attribute}")  # plugin bug
         return module
     raise ScenarioError(f"{path}: unknown strategy '{name}' (known: {', '.join(available())})")
+
+
+_TRIVIAL = {"tp": (0, 1), "pp": (0, 1), "cp": (0, 1), "ep": (0, 1), "vpp": (0, 1), "dp": (0, 1), "zero_stage": (0,)}
+
+
+def compose_label(resolved: dict[str, Any], short: dict[str, str]) -> str:
+    """``name(a=1,b=2,flags)``: the fields in ``short`` (key -> short name) whose values are not
+    trivial (a degree of 1, ZeRO stage 0), then the flags ``sync``, ``sp``, ``adaptive``."""
+    parts = []
+    if resolved.get("param_group_size"):
+        parts.append(f"{resolved['param_group_size']}|{resolved['grad_group_size']}|{resolved['optim_group_size']}")
+    for key, name in short.items():
+        value = resolved.get(key)
+        if value is not None and value not in _TRIVIAL.get(key, ()):
+            parts.append(f"{name}={value}")
+    if resolved.get("async") is False:
+        parts.append("sync")
+    if resolved.get("sequence_parallel"):
+        parts.append("sp")
+    if resolved.get("adaptive"):
+        parts.append("adaptive")
+    return f"{resolved['name']}({','.join(parts)})" if parts else resolved["name"]
+
+
+def label(resolved: dict[str, Any]) -> str:
+    """A short name for tables of the strategy ``resolved`` (a report's ``strategy_resolved``)."""
+    plugin = get(resolved["name"])
+    return plugin.label(resolved) if hasattr(plugin, "label") else resolved["name"]

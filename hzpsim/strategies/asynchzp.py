@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from hzpsim.cluster.topology import Topology
 from hzpsim.model import Model
-from hzpsim.strategies import _family
+from hzpsim.strategies import _family, compose_label
 from hzpsim.strategies._model_parallel import Degrees
 from hzpsim.strategies._sharded import Schedule
 from hzpsim.training import Training
@@ -115,3 +115,8 @@ def candidates(config: Config, model: Model, training: Training, topology: Topol
 
 
 check, build = _family.delegates(plan)
+
+
+def label(resolved: dict) -> str:
+    """A short name for tables."""
+    return compose_label(resolved, {"tp": "tp", "cp": "cp", "ep": "ep"})

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family
+from hzpsim.strategies import _family, compose_label
 from hzpsim.strategies._model_parallel import Degrees
 from hzpsim.strategies._sharded import Schedule
 
@@ -46,3 +46,8 @@ check, build = _family.delegates(plan)
 def resolve(config: Config, topology: Topology) -> Config:
     """The config as simulated: the default shard group size filled in."""
     return dataclasses.replace(config, shard_group_size=plan(config, topology).param_size)
+
+
+def label(resolved: dict) -> str:
+    """A short name for tables."""
+    return compose_label(resolved, {"shard_group_size": "g"})

@@ -24,6 +24,7 @@ from hzpsim.cluster.topology import Topology
 from hzpsim.config import ScenarioError
 from hzpsim.model import Model
 from hzpsim.ops import OpGraph
+from hzpsim.strategies import compose_label
 from hzpsim.strategies._model_parallel import Degrees, MPUnit, UnitEmitter, merge_units, mp_units
 from hzpsim.strategies._sharded import (
     Emitter,
@@ -399,3 +400,8 @@ class _Stage:
     def optimize(self, step: int, norm: Ids) -> None:
         for s in self._sharded():
             s.optimize(step, [norm])
+
+
+def label(resolved: dict) -> str:
+    """A short name for tables."""
+    return compose_label(resolved, {"zero_stage": "zero", "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vpp": "vpp"})

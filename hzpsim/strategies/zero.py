@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family
+from hzpsim.strategies import _family, compose_label
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -52,3 +52,8 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build = _family.delegates(plan)
+
+
+def label(resolved: dict) -> str:
+    """A short name for tables."""
+    return compose_label(resolved, {"stage": "stage"})

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family
+from hzpsim.strategies import _family, compose_label
 from hzpsim.strategies._model_parallel import Degrees
 from hzpsim.strategies._sharded import Schedule
 
@@ -54,3 +54,8 @@ def resolve(config: Config, topology: Topology) -> Config:
     """The config as simulated: the default secondary partition size filled in."""
     size = plan(config, topology).schedule.backward_gather_size or 1
     return dataclasses.replace(config, hpz_partition_size=size)
+
+
+def label(resolved: dict) -> str:
+    """A short name for tables."""
+    return compose_label(resolved, {"hpz_partition_size": "hpz"})

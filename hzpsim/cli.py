@@ -6,7 +6,8 @@
     hzpsim compare scenario.yaml      # every entry of the scenario's `strategies:` list
     hzpsim list                       # devices, cluster presets, workloads, strategies
 
-Exit codes: 0 ok; 2 invalid input (one line naming what and where); 1 internal error.
+Exit codes: 0 ok; 2 invalid input (one line naming what and where); 3 simulator fault (the
+engine stopped making progress: names the stuck op); 1 other internal error.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 from hzpsim import __version__, strategies, validation
 from hzpsim.cluster.devices import DEVICES
 from hzpsim.config import ScenarioError, key_of
-from hzpsim.ops import GraphError
+from hzpsim.ops import GraphError, SimulatorFault
 from hzpsim.planner import choose, format_decisions, run_choice
 from hzpsim.presets import list_presets
 from hzpsim.report import chrome_trace, to_json
@@ -81,14 +82,13 @@ def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
     scenario = load_scenario(args.scenario, args.set or ())
     if compare and len(scenario.strategies) < 2 and not args.json:
         print("note: the scenario has one strategy; give a `strategies:` list to compare several", file=sys.stderr)
-    if args.trace and len(scenario.strategies) != 1:
-        raise ScenarioError(f"--trace {args.trace}: needs a scenario with one strategy (set strategy.name)")
+    if args.trace:
+        if len(scenario.strategies) != 1:
+            raise ScenarioError(f"--trace {args.trace}: needs a scenario with one strategy (set strategy.name)")
+        check_writable(args.trace, "--trace")
     traces: list = []
     results = [choose(scenario, choice, expand=args.expand, traces=traces) for choice in scenario.strategies]
     reports = [report for report, _ in results]
-    if args.trace:
-        with open(args.trace, "w", encoding="utf-8") as handle:
-            json.dump(chrome_trace(traces[0]), handle)
     if args.explain:
         out = sys.stderr if args.json else sys.stdout
         budget_of = lambda c: scenario.topology.device.memory_bytes * (1 - getattr(c.config, "memory_reserve_fraction", 0.0))  # noqa: E731
@@ -104,7 +104,25 @@ def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
         print(format_summary(scenario))
         print()
         print(format_table(reports))
+    if args.trace:
+        try:
+            with open(args.trace, "w", encoding="utf-8") as handle:
+                json.dump(chrome_trace(traces[0]), handle)
+        except OSError as exc:
+            raise ScenarioError(f"--trace {args.trace}: cannot write it ({exc.strerror})") from None
     return 0
+
+
+def check_writable(path: str, option: str) -> None:
+    """ScenarioError naming ``option`` unless a file can be written at ``path`` (checked before
+    any simulation, so that a bad path costs nothing)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ScenarioError(f"{option} {path}: is a directory, expected a file name")
+    if not os.path.isdir(parent):
+        raise ScenarioError(f"{option} {path}: folder {parent} does not exist")
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise ScenarioError(f"{option} {path}: not writable")
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -170,6 +188,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ScenarioError, GraphError) as exc:
         print(f"hzpsim: error: {exc}", file=sys.stderr)
         return 2
+    except SimulatorFault as exc:  # a valid scenario the engine could not finish: an hzpsim bug
+        print(f"hzpsim: {exc}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # e.g. `hzpsim run | head`: the reader left, nothing is wrong

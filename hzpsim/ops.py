@@ -32,8 +32,29 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "
 MemoryDelta = tuple[tuple[str, float], ...]
 
 
+Ranks = tuple[int, ...] | range  # sorted rank numbers of a group
+
+
+def as_ranks(ranks: Sequence[int]) -> Ranks:
+    """``ranks`` sorted, as a ``range`` when they are evenly spaced (no per-rank storage: a
+    group of millions of ranks stays three numbers), else as a tuple."""
+    if isinstance(ranks, range):
+        return ranks if ranks.step > 0 else range(ranks[-1], ranks[0] + 1, -ranks.step) if ranks else range(0)
+    members = tuple(sorted(int(r) for r in ranks))
+    if len(members) > 2:
+        step = members[1] - members[0]
+        if step > 0 and all(b - a == step for a, b in zip(members, members[1:])):
+            return range(members[0], members[-1] + 1, step)
+    return members
+
+
 class GraphError(ValueError):
     """A malformed OpGraph: a cycle, an unknown dependency, a collective that cannot assemble."""
+
+
+class SimulatorFault(RuntimeError):
+    """The engine stopped making progress on a valid graph: a bug in hzpsim, not bad input
+    (the CLI exits 3). The message names the op that was stuck."""
 
 
 class Op:
@@ -126,7 +147,9 @@ class OpGraph:
         self.compute_dtype = compute_dtype
         self.meta: dict[str, Any] = dict(meta or {})
         self.ops: list[Op] = []
-        self.groups: dict[str, tuple[int, ...]] = {}
+        # members of each group, sorted: a ``range`` when they are evenly spaced (a data-parallel
+        # group of millions of ranks then costs nothing), else a tuple
+        self.groups: dict[str, Ranks] = {}
         self.static_memory: dict[int, dict[str, float]] = {r: {} for r in self.weights}
 
     @property
@@ -134,7 +157,7 @@ class OpGraph:
         return list(self.weights)
 
     def add_group(self, name: str, ranks: Sequence[int]) -> str:
-        members = tuple(sorted(ranks))
+        members = as_ranks(ranks)
         if name in self.groups:
             assert self.groups[name] == members, f"group {name} redefined"
         else:
@@ -219,7 +242,7 @@ class OpGraph:
         n = len(self.ops)
         indegree = [0] * n
         children: list[list[int]] = [[] for _ in range(n)]
-        member_sets: dict[str, frozenset[int]] = {}
+        member_sets: dict[str, range | frozenset[int]] = {}
         for op in self.ops:
             for d in op.deps:
                 if not 0 <= d < n:
@@ -235,7 +258,7 @@ class OpGraph:
                     members = self.groups.get(op.group or "")
                     if members is None:
                         raise GraphError(f"op {op.id} ({op.name}) uses unknown group {op.group!r}")
-                    member_set = member_sets[op.group or ""] = frozenset(members)
+                    member_set = member_sets[op.group or ""] = members if isinstance(members, range) else frozenset(members)
                 outside = [r for r in op.ranks if r not in member_set]
                 if outside or not op.ranks:
                     raise GraphError(
@@ -261,7 +284,8 @@ class OpGraph:
                 "weights": {str(k): v for k, v in self.weights.items()},
                 "compute_dtype": self.compute_dtype,
                 "meta": self.meta,
-                "groups": {k: list(v) for k, v in self.groups.items()},
+                "groups": {k: {"range": [v.start, v.stop, v.step]} if isinstance(v, range) else list(v)
+                           for k, v in self.groups.items()},
                 "static_memory": {str(k): v for k, v in self.static_memory.items()},
                 "ops": [op.to_dict() for op in self.ops],
             },
@@ -277,7 +301,7 @@ class OpGraph:
             data["compute_dtype"],
             data["meta"],
         )
-        graph.groups = {k: tuple(v) for k, v in data["groups"].items()}
+        graph.groups = {k: range(*v["range"]) if isinstance(v, dict) else tuple(v) for k, v in data["groups"].items()}
         graph.static_memory = {int(k): v for k, v in data["static_memory"].items()}
         for raw in data["ops"]:
             raw = dict(raw)

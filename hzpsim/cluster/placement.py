@@ -143,16 +143,25 @@ class Placement:
                 raise ValueError(f"unknown dimension {d!r} (known: {', '.join(self.names)})")
         return ds
 
-    def group(self, dims: str | Sequence[str], rank: int) -> tuple[int, ...]:
-        """Ranks that differ from ``rank`` only in ``dims``, sorted."""
+    def group(self, dims: str | Sequence[str], rank: int) -> tuple[int, ...] | range:
+        """Ranks that differ from ``rank`` only in ``dims``, sorted (a ``range`` when evenly
+        spaced, so that a group of millions of ranks takes no memory)."""
         ds = self._norm_dims(dims)
         c = self.coord(rank)
         base = self.rank(**{n: v for n, v in c.items() if n not in ds})
         strides = self._strides()
+        spaced = [d for d in ds if self.size(d) > 1]
+        if len(spaced) <= 1:  # one dimension: evenly spaced by its stride
+            d = spaced[0] if spaced else ds[0]
+            return range(base, base + self.size(d) * strides[d], strides[d])
         offs = np.zeros(1, dtype=np.int64)
         for d in ds:
             offs = (offs[:, None] + np.arange(self.size(d)) * strides[d]).ravel()
-        return tuple(int(x) for x in np.sort(base + offs))
+        members = np.sort(base + offs)
+        gaps = np.diff(members)
+        if gaps.size and np.all(gaps == gaps[0]):  # e.g. adjacent dimensions (dp x cp, tp first)
+            return range(int(members[0]), int(members[-1]) + 1, int(gaps[0]))
+        return tuple(int(x) for x in members)
 
     def groups(self, dims: str | Sequence[str]) -> list[tuple[int, ...]]:
         """All groups along ``dims`` (each sorted), ordered by their smallest rank."""

@@ -310,7 +310,7 @@ class Topology:
                 float(s.inter_node_latency_s),  # type: ignore[arg-type]
             ),
         }
-        self._span_cache: dict[tuple[int, ...], GroupSpan] = {}
+        self._span_cache: dict[tuple[int, ...] | range, GroupSpan] = {}
 
     def __repr__(self) -> str:
         return (
@@ -354,13 +354,16 @@ class Topology:
 
     # -- spans ----------------------------------------------------------------------------------
 
-    def span(self, ranks: Sequence[int] | np.ndarray) -> GroupSpan:
+    def span(self, ranks: Sequence[int] | range | np.ndarray) -> GroupSpan:
         """Arithmetic placement summary of a group (no graph traversal; cached per group)."""
-        key = tuple(int(r) for r in ranks) if not isinstance(ranks, tuple) else ranks
+        key = ranks if isinstance(ranks, (tuple, range)) else tuple(int(r) for r in ranks)
         hit = self._span_cache.get(key)
         if hit is not None:
             return hit
-        arr = np.asarray(key, dtype=np.int64)
+        if isinstance(key, range):
+            arr = np.arange(key.start, key.stop, key.step, dtype=np.int64)
+        else:
+            arr = np.asarray(key, dtype=np.int64)
         if arr.ndim != 1 or arr.size == 0:
             raise ValueError("ranks: need a non-empty 1-D sequence of ranks")
         if arr.min() < 0 or arr.max() >= self.num_devices:

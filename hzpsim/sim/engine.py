@@ -7,8 +7,10 @@ each after its dependencies. A collective starts when every participant's stream
 links (:mod:`hzpsim.sim.network`). Memory is recorded as a timeline of allocations and frees.
 
 If the run ends with ops left undone (a collective whose group never assembles, or streams
-that wait on each other in opposite orders) the engine raises :class:`GraphError` naming them;
-it never hangs, because SimPy stops when no event is left.
+that wait on each other in opposite orders) the engine raises :class:`GraphError` naming them.
+It never hangs: SimPy stops when no event is left, and a run that processes
+``STALL_EVENTS`` events in a row without finishing any op (a loop that no longer moves the
+clock) stops with :class:`SimulatorFault` naming the op in flight.
 """
 
 from __future__ import annotations
@@ -20,12 +22,16 @@ from dataclasses import dataclass, field
 import simpy
 
 from hzpsim.cluster.topology import GroupSpan, Topology
-from hzpsim.ops import COMPUTE, GraphError, Op, OpGraph
+from hzpsim.ops import COMPUTE, GraphError, Op, OpGraph, SimulatorFault
 from hzpsim.sim.collectives import CollectiveModel, CollectivePlan
 from hzpsim.sim.compute import ComputeModel, Efficiency
 from hzpsim.sim.network import Network, Resource
 
 UNDONE = -1.0
+# Events processed with no op finishing before the run counts as stuck. Between two op ends a
+# healthy run processes a handful of events per op in flight (a timer, a flow's reschedules);
+# two million is far above that even for fully expanded thousand-rank collectives.
+STALL_EVENTS = 2_000_000
 
 
 class _Running:
@@ -78,6 +84,7 @@ class Engine:
         self.slowdown = self.compute_model.efficiency.comm_overlap_slowdown
         self._talking = dict.fromkeys(graph.weights, 0)  # collectives in flight per rank
         self._running: dict[int, list[_Running]] = {r: [] for r in graph.weights}
+        self.num_finished = 0
 
     def _capacity(self, resource: Resource) -> float:
         level = resource[1]
@@ -102,6 +109,7 @@ class Engine:
 
     def _finish(self, op: Op) -> None:
         self.end_s[op.id] = self.env.now
+        self.num_finished += 1
         if self.slowdown and op.kind != COMPUTE:
             self._talk(op, -1)
         if op.free:
@@ -211,6 +219,29 @@ class Engine:
 
     # ------------------------------------------------------------------ run
 
+    def _run_guarded(self) -> None:
+        """``env.run()``, checked every ``STALL_EVENTS`` events for progress (an op finished)."""
+        step, stall_events = self.env.step, STALL_EVENTS
+        finished = -1
+        try:
+            while True:
+                if self.num_finished == finished:
+                    self._stalled(stall_events)
+                finished = self.num_finished
+                for _ in range(stall_events):
+                    step()
+        except simpy.core.EmptySchedule:
+            return
+
+    def _stalled(self, stall_events: int) -> None:
+        in_flight = [op for op in self.graph.ops if self.start_s[op.id] != UNDONE and self.end_s[op.id] == UNDONE]
+        first = in_flight[0] if in_flight else None
+        what = f"'{first.name}' (op {first.id}, started at {self.start_s[first.id]:.6g} s)" if first else "no op"
+        raise SimulatorFault(
+            f"simulator fault: no progress in the last {stall_events:,} events at simulated time "
+            f"{self.env.now:.6g} s; stuck in {what}, {len(in_flight)} ops in flight"
+        )
+
     def run(self) -> Trace:
         wall = time.perf_counter()
         streams: dict[tuple[int, str], list[Op]] = {}
@@ -219,7 +250,7 @@ class Engine:
                 streams.setdefault((rank, op.stream), []).append(op)
         for key in sorted(streams):
             self.env.process(self._stream(streams[key]))
-        self.env.run()
+        self._run_guarded()
         undone = [op for op in self.graph.ops if self.end_s[op.id] == UNDONE]
         if undone:
             partial = [op for op in undone if op.kind != COMPUTE and 0 < self._arrived[op.id] < len(op.ranks)]

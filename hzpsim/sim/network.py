@@ -11,6 +11,7 @@ NVLink bandwidth to others. Rates are recomputed whenever a flow starts or ends.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import simpy
@@ -18,6 +19,14 @@ import simpy
 Resource = tuple[int, str]  # (simulated rank, level)
 
 _EPS_S = 1e-12
+_CLOCK_ULPS = 16  # a flow this many clock ulps from done is done: the clock cannot resolve less
+
+
+def done_within_s(now_s: float) -> float:
+    """Time below which a flow counts as finished at clock ``now_s``: 1 ps, or a few units of
+    the clock's floating-point resolution once that is coarser (after ~4,000 simulated seconds a
+    picosecond is below it, and a timer that short would fire at the same instant forever)."""
+    return max(_EPS_S, _CLOCK_ULPS * math.ulp(now_s))
 
 
 class Flow:
@@ -98,7 +107,8 @@ class Network:
         if generation != self._generation:
             return  # superseded by a later start or finish
         self._advance()
-        done = [f for f in self.flows if f.remaining <= f.rate * _EPS_S + 1e-6]
+        tolerance_s = done_within_s(self.env.now)
+        done = [f for f in self.flows if f.remaining <= f.rate * tolerance_s + 1e-6]
         self.flows = [f for f in self.flows if f not in done]
         self._reschedule()
         for flow in done:

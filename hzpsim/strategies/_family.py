@@ -21,7 +21,7 @@ from hzpsim.cluster.placement import Placement, expert_placement
 from hzpsim.cluster.topology import Topology
 from hzpsim.config import ScenarioError
 from hzpsim.model import Model
-from hzpsim.ops import OpGraph
+from hzpsim.ops import OpGraph, Ranks
 from hzpsim.strategies._model_parallel import Degrees, UnitEmitter, mp_units
 from hzpsim.strategies._sharded import (
     Emitter,
@@ -44,6 +44,8 @@ class FamilyPlan:
     optim_size: int
     schedule: Schedule
     degrees: Degrees = Degrees()
+    #: the strategy's config keys that set param / grad / optim sizes, for error messages
+    keys: tuple[str, str, str] = ("param_group_size", "grad_group_size", "optim_group_size")
 
 
 def sharding_world(topology: Topology, degrees: Degrees) -> int:
@@ -71,7 +73,7 @@ def check(plan: FamilyPlan, model: Model, training: Training, topology: Topology
     if deg.cp > 1 and model.seq_len % (2 * deg.cp):
         raise ValueError(f"cp: model.seq_len {model.seq_len} is not divisible by 2 x cp")
     world = sharding_world(topology, deg)
-    NestedSharding(plan.param_size, plan.grad_size, plan.optim_size, (tuple(range(world)),)).check()
+    NestedSharding(plan.param_size, plan.grad_size, plan.optim_size, (range(world),)).check(plan.keys)
     if plan.schedule.hierarchical_gather > 1 and plan.param_size % plan.schedule.hierarchical_gather:
         raise ValueError("hierarchical_gather: must divide the param group size")
     secondary = plan.schedule.backward_gather_size
@@ -95,7 +97,7 @@ def check(plan: FamilyPlan, model: Model, training: Training, topology: Topology
             raise ValueError("sequence_parallel: required when ep > 1 and tp > 1")
         expert_world = n // (deg.ep * deg.etp)
         sizes = _expert_sizes(plan, expert_world)
-        NestedSharding(*sizes, dp_groups=(tuple(range(expert_world)),)).check()
+        NestedSharding(*sizes, dp_groups=(range(expert_world),)).check(plan.keys)
 
 
 def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology, expand: bool,
@@ -114,18 +116,18 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
     uses = flat_uses(training.num_steps, m, len(units))
     names = [u.name for u in units]
 
-    dense_groups = tuple(sorted({placement.group(("dp", "cp"), r) for r in lanes}))
+    dense_groups = tuple(sorted({placement.group(("dp", "cp"), r) for r in lanes}, key=lambda g: g[0]))
     sharded = [ShardedParams(emit, [u.dense_params for u in units], names, training,
                              NestedSharding(plan.param_size, plan.grad_size, plan.optim_size, dense_groups),
                              plan.schedule, uses)]
     if any(u.expert_params for u in units):
-        edp_groups = tuple(sorted({experts.group("edp", r) for r in lanes}))
+        edp_groups = tuple(sorted({experts.group("edp", r) for r in lanes}, key=lambda g: g[0]))
         sizes = _expert_sizes(plan, len(edp_groups[0]))
         sharded.append(ShardedParams(emit, [u.expert_params for u in units], names, training,
                                      NestedSharding(*sizes, dp_groups=edp_groups), plan.schedule, uses,
                                      tag="experts."))
 
-    def group_of(dim: str, rank: int) -> tuple[str, tuple[int, ...]]:
+    def group_of(dim: str, rank: int) -> tuple[str, Ranks]:
         members = (experts if dim == "ep" else placement).group(dim, rank)
         return f"{dim}.{members[0]}", members
 
@@ -152,7 +154,7 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
         reduced: list[Ids | None] = [last]
         for s in sharded:
             reduced += s.reduce_step(step, last)
-        norm = grad_norm(emit, list(range(n)), reduced, step)
+        norm = grad_norm(emit, range(n), reduced, step)
         for s in sharded:
             s.optimize(step, [norm])
     return graph

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hzpsim.model import Model
+from hzpsim.ops import Ranks
 from hzpsim.strategies._layers import Work
 from hzpsim.strategies._sharded import Emitter, Ids
 from hzpsim.training import Training
@@ -205,7 +206,7 @@ def merge_units(units: Sequence[MPUnit]) -> MPUnit:
 class UnitEmitter:
     """Writes one unit's forward or backward (one micro-batch) with its TP/CP/EP collectives."""
 
-    def __init__(self, emit: Emitter, deg: Degrees, group_of: Callable[[str, int], tuple[str, tuple[int, ...]]]) -> None:
+    def __init__(self, emit: Emitter, deg: Degrees, group_of: Callable[[str, int], tuple[str, Ranks]]) -> None:
         self.emit, self.deg = emit, deg
         sizes = {"tp": deg.tp, "cp": deg.cp, "ep": deg.ep}
         self.instances: dict[str, Instances] = {

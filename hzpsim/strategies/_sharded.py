@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hzpsim.ops import OpGraph
+from hzpsim.ops import OpGraph, Ranks
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
 from hzpsim.training import Training
 
@@ -43,22 +43,25 @@ class NestedSharding:
     param_size: int
     grad_size: int
     optim_size: int
-    dp_groups: tuple[tuple[int, ...], ...]  # every data-parallel group of the cluster, rank order
+    dp_groups: tuple[Ranks, ...]  # every data-parallel group holding a simulated rank, rank order
 
     @property
     def dp_size(self) -> int:
         return len(self.dp_groups[0])
 
-    def check(self) -> None:
-        n = self.dp_size
-        sizes = (self.param_size, self.grad_size, self.optim_size, n)
-        names = ("param_group_size", "grad_group_size", "optim_group_size", "data-parallel size")
-        for size, name in zip(sizes, names):
+    def check(self, keys: Sequence[str] = ("param_group_size", "grad_group_size", "optim_group_size")) -> None:
+        """ValueError naming the config key (``keys`` for param, grad, optim) of the first size
+        that is not positive or does not nest: each size divides the next and the dp size."""
+        sizes = (self.param_size, self.grad_size, self.optim_size, self.dp_size)
+        roles = ("parameter", "gradient", "optimizer", "data-parallel")
+        for size, key in zip(sizes, keys):
             if size < 1:
-                raise ValueError(f"{name}: must be >= 1, got {size}")
-        for (a, an), (b, bn) in zip(zip(sizes, names), zip(sizes[1:], names[1:])):
-            if b % a:
-                raise ValueError(f"{an}: {a} does not divide {bn} {b} (groups must nest)")
+                raise ValueError(f"{key}: must be >= 1, got {size}")
+        for i in range(3):
+            outer = next(j for j in range(i + 1, 4) if j == 3 or keys[j] != keys[i])
+            if sizes[outer] % sizes[i]:
+                raise ValueError(f"{keys[i]}: {sizes[i]} does not divide the {roles[outer]} group size "
+                                 f"{sizes[outer]} (groups must nest)")
 
     def size(self, role: str, inner: int = 1) -> int:
         """Ranks in a ``role`` group; ``inner`` is the size used by the split/secondary roles."""
@@ -73,7 +76,7 @@ class NestedSharding:
             "replica": self.dp_size // self.optim_size,
         }[role]
 
-    def group_of(self, role: str, rank: int, inner: int = 1) -> tuple[str, tuple[int, ...]]:
+    def group_of(self, role: str, rank: int, inner: int = 1) -> tuple[str, Ranks]:
         """(name, members) of the ``role`` group holding ``rank``; arithmetic, no enumeration.
 
         param / grad: consecutive blocks of the data-parallel group; step_rs: the ranks of one
@@ -81,7 +84,7 @@ class NestedSharding:
         step_ag: likewise for the Psi/param_size slice; replica: same position in every optim
         group.
         """
-        dp_index, position = self._position[rank]
+        dp_index, position = self._position(rank)
         dp = self.dp_groups[dp_index]
         p, g, o = self.param_size, self.grad_size, self.optim_size
         if role in ("param", "grad", "param_inner", "secondary"):
@@ -100,15 +103,19 @@ class NestedSharding:
         else:
             raise AssertionError(role)
         stride = members[1] - members[0] if len(members) > 1 else 0
-        return f"{role}.{members[0]}+{stride}x{len(members)}", tuple(members)
+        return f"{role}.{members[0]}+{stride}x{len(members)}", members if isinstance(members, range) else tuple(members)
 
-    @property
-    def _position(self) -> dict[int, tuple[int, int]]:
+    def _position(self, rank: int) -> tuple[int, int]:
+        """(index of the data-parallel group holding ``rank``, position of ``rank`` in it)."""
+        for i, dp in enumerate(self.dp_groups):
+            if isinstance(dp, range) and rank in dp:
+                return i, dp.index(rank)
         cached = self.__dict__.get("_position_cache")
         if cached is None:
-            cached = {r: (i, j) for i, dp in enumerate(self.dp_groups) for j, r in enumerate(dp)}
+            cached = {r: (i, j) for i, dp in enumerate(self.dp_groups) if not isinstance(dp, range)
+                      for j, r in enumerate(dp)}
             object.__setattr__(self, "_position_cache", cached)
-        return cached
+        return cached[rank]
 
 
 @dataclass(frozen=True)
@@ -147,8 +154,14 @@ class Emitter:
                 name, members = group_of(lane)
                 if name not in found:
                     self.graph.add_group(name, members)
-                    found[name] = tuple(r for r in members if r in self._lane_set)
+                    found[name] = self.lanes_in(members)
         return list(found.items())
+
+    def lanes_in(self, members: Sequence[int]) -> tuple[int, ...]:
+        """The simulated lanes among ``members``, in rank order."""
+        if isinstance(members, range) or len(members) > len(self.lanes):
+            return tuple(sorted(lane for lane in self.lanes if lane in members))
+        return tuple(r for r in members if r in self._lane_set)
 
     def collective(self, kind: str, instances: list[tuple[str, tuple[int, ...]]], size: float, name: str,
                    category: str, stream: str, deps: Sequence[Ids | None], step: int,

@@ -102,7 +102,7 @@ def candidates(config: Config, model: Model, training: Training, topology: Topol
     the island, the node, the leaf, everything), for the planner to simulate."""
     levels = _family.level_group_sizes(topology, degrees(config))
     world = levels["all"]
-    options = sorted({1, *levels.values()} & {d for d in range(1, world + 1) if world % d == 0})
+    options = sorted(d for d in {1, *levels.values()} if world % d == 0)
     out = []
     for p in options:
         for g in options:

@@ -33,7 +33,7 @@ class Config:
 def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     g = config.shard_group_size or _family.level_group_sizes(topology, Degrees())["node"]
     schedule = Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=config.reshard_after_forward)
-    return _family.FamilyPlan(g, g, g, schedule)
+    return _family.FamilyPlan(g, g, g, schedule, keys=("shard_group_size",) * 3)
 
 
 check, build = _family.delegates(plan)

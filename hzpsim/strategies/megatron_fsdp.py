@@ -37,7 +37,7 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     g = config.shard_group_size or levels["node"]
     o = levels["all"] if config.outer_optim_sharding else g
     schedule = Schedule(prefetch_depth=config.prefetch_depth, fixed_buffers=config.double_buffer)
-    return _family.FamilyPlan(g, g, o, schedule)
+    return _family.FamilyPlan(g, g, o, schedule, keys=("shard_group_size",) * 3)
 
 
 check, build = _family.delegates(plan)

@@ -37,7 +37,7 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     p = config.partition_size or levels["node"]
     inner = levels["node"] if config.hierarchical_params_gather and p > levels["node"] else 1
     schedule = Schedule(prefetch_depth=config.prefetch_depth, hierarchical_gather=inner)
-    return _family.FamilyPlan(p, p, p, schedule)
+    return _family.FamilyPlan(p, p, p, schedule, keys=("partition_size",) * 3)
 
 
 check, build = _family.delegates(plan)

@@ -23,7 +23,7 @@ from hzpsim.cluster.placement import Placement, expert_placement
 from hzpsim.cluster.topology import Topology
 from hzpsim.config import ScenarioError
 from hzpsim.model import Model
-from hzpsim.ops import OpGraph
+from hzpsim.ops import OpGraph, Ranks
 from hzpsim.strategies import compose_label
 from hzpsim.strategies._model_parallel import Degrees, MPUnit, UnitEmitter, merge_units, mp_units
 from hzpsim.strategies._sharded import (
@@ -91,11 +91,15 @@ def stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
     virtual = pp * vpp
     if first is None and last is None:
         base, extra = divmod(num_layers, virtual)
-        counts = [base] * virtual
+        even = [base] * virtual
         order = sorted(range(virtual), key=lambda v: (min(v, virtual - 1 - v) == 0, abs(v - (virtual - 1) / 2)))
         for v in order[:extra]:
-            counts[v] += 1
-        return tuple(counts)
+            even[v] += 1
+        if 0 in even[1:-1]:  # the edge chunks hold the embedding and the head; the others need a layer
+            key = "vpp" if vpp > 1 else "pp"
+            raise ValueError(f"{key}: pp x vpp = {pp} x {vpp} = {virtual} model chunks need at least {virtual - 2} "
+                             f"layers for the chunks between the first and the last; model.num_layers is {num_layers}")
+        return tuple(even)
     if pp < 2:
         raise ValueError("first_stage_layers: uneven stages need pp > 1")
     f = first if first is not None else None
@@ -115,7 +119,13 @@ def stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
     for r, n in enumerate(per_rank):
         if n % vpp:
             raise ValueError(f"first_stage_layers: stage {r} holds {n} layers, not divisible by vpp={vpp}")
-    return tuple(per_rank[v % pp] // vpp for v in range(virtual))
+    counts = tuple(per_rank[v % pp] // vpp for v in range(virtual))
+    empty = [v for v in range(1, virtual - 1) if counts[v] == 0]  # the edge chunks keep embedding / head
+    if empty:
+        key = "first_stage_layers" if empty[0] % pp == 0 else "last_stage_layers"
+        raise ValueError(f"{key}: model chunk {empty[0]} (pipeline rank {empty[0] % pp}) would hold no layer "
+                         f"and no embedding or output head")
+    return counts
 
 
 def layout(config: Config, model: Model, training: Training, topology: Topology) -> Layout:
@@ -184,7 +194,7 @@ def pipeline_actions(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, 
     return actions
 
 
-def _sharding(stage: int, n: int, groups: tuple[tuple[int, ...], ...]) -> NestedSharding:
+def _sharding(stage: int, n: int, groups: tuple[Ranks, ...]) -> NestedSharding:
     sizes = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[stage]
     return NestedSharding(*sizes, dp_groups=groups)
 
@@ -215,14 +225,14 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
     schedule = Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=True,
                         overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather)
 
-    def group_of(dim: str, rank: int) -> tuple[str, tuple[int, ...]]:
+    def group_of(dim: str, rank: int) -> tuple[str, Ranks]:
         source = lay.experts if dim == "ep" else placement
         members = source.group(dim, rank)
         return f"{dim}.{members[0]}", members
 
     stages = [_Stage(graph, lanes, s, p, v, m, bounds, units, training, deg, schedule, config, lay, group_of)
               for s, lanes in enumerate(stage_lanes)]
-    world = list(range(n))
+    world = range(n)
     sends: dict[tuple[str, int, int], Ids] = {}  # (direction, virtual stage, micro-batch) -> send op ids
     for step in range(training.num_steps):
         for stage in stages:
@@ -265,13 +275,13 @@ class _Stage:
                 ordered = chunk if kind == "F" else list(reversed(chunk))
                 uses += [(step, mb, "fwd" if kind == "F" else "bwd", self.index[u]) for u in ordered]
         placement, experts = lay.placement, lay.experts
-        dense_groups = tuple(sorted({placement.group(("dp", "cp"), r) for r in lanes}))
+        dense_groups = tuple(sorted({placement.group(("dp", "cp"), r) for r in lanes}, key=lambda g: g[0]))
         names = [units[u].name for u in self.local]
         self.dense = ShardedParams(self.emit, [units[u].dense_params for u in self.local], names, training,
                                    _sharding(config.zero_stage, len(dense_groups[0]), dense_groups), schedule, uses)
         self.expert = None
         if any(units[u].expert_params for u in self.local):
-            edp_groups = tuple(sorted({experts.group("edp", r) for r in lanes}))
+            edp_groups = tuple(sorted({experts.group("edp", r) for r in lanes}, key=lambda g: g[0]))
             self.expert = ShardedParams(self.emit, [units[u].expert_params for u in self.local], names, training,
                                         _sharding(config.zero_stage, len(edp_groups[0]), edp_groups), schedule,
                                         uses, tag="experts.")

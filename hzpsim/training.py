@@ -8,20 +8,6 @@ from typing import Literal
 Precision = Literal["bf16", "fp16", "fp8", "fp32"]
 
 
-MAX_MICRO_BATCHES = 4096  # per replica per step: the engine replays each one, so more would take minutes
-
-
-def check_micro_batches(count: int) -> None:
-    """Reject step shapes too long to replay in seconds (a clear error instead of a hang)."""
-    if count > MAX_MICRO_BATCHES:
-        from hzpsim.config import ScenarioError
-
-        raise ScenarioError(
-            f"training.global_batch_size: {count} micro-batches per replica per step exceed the "
-            f"{MAX_MICRO_BATCHES} hzpsim replays; raise training.micro_batch_size"
-        )
-
-
 @dataclass(frozen=True)
 class Training:
     """How the model is trained: batch, precision and recompute (DESIGN §5 defaults)."""

@@ -28,54 +28,62 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hzpsim.cluster.placement import Placement
 from hzpsim.model import Model
 from hzpsim.ops import Ranks
+from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._layers import Work
-from hzpsim.strategies._sharded import Emitter, Ids
+from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, ShardedParams, Use
 from hzpsim.training import Training
 
 Instances = list[tuple[str, tuple[int, ...]]]
 
 
-@dataclass(frozen=True)
-class Degrees:
-    tp: int = 1
-    cp: int = 1
-    ep: int = 1
-    etp: int = 1
-    sequence_parallel: bool = False
-    tp_comm_overlap: float = 0.0  # fraction of TP communication hidden behind compute
-    moe_imbalance: float = 1.0  # busiest expert rank's tokens over the mean
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MPUnit:
-    """One unit on one model-parallel rank, per micro-batch."""
+    """One unit (embedding, layer or head) as one model-parallel rank holds and runs it, per
+    micro-batch."""
 
     name: str
-    dense_params: float  # reduced over the data-parallel (dp x cp) group
-    expert_params: float  # reduced over the expert-data-parallel group
-    pre: Work  # forward before the CP exchange lands (or the whole forward without CP)
-    remote: Work  # forward attention over the other ranks' K/V (CP only)
-    post: Work  # forward after attention (MLP; experts of an MoE layer)
-    backward: Work  # backward incl. recompute, before the CP exchange is needed
-    backward_remote: Work  # backward attention of the remote chunks (CP only)
+    dense_params: float
+    """Parameters on this rank reduced over the dense data-parallel (dp × cp) group (count)."""
+    expert_params: float = 0.0
+    """Expert parameters on this rank, reduced over the expert-data-parallel group (count)."""
+    pre: Work
+    """Forward before the CP exchange lands (or the whole forward without CP)."""
+    remote: Work = Work()
+    """Forward attention over the other ranks' K/V (CP only)."""
+    post: Work = Work()
+    """Forward after attention (the MLP; the experts of an MoE layer)."""
+    backward: Work
+    """Backward, recompute included, before the CP exchange is needed."""
+    backward_remote: Work = Work()
+    """Backward attention of the remote chunks (CP only)."""
     activation_bytes: float
-    recompute_bytes: float
-    tp_bytes: float  # one TP all-reduce buffer (b·s/c·h), 0 without TP
-    tp_count_forward: int
-    tp_count_backward: int
-    cp_bytes: float  # CP ring all-gather buffer (c chunks of K and V), 0 without CP
-    ep_bytes: float  # per-rank all-to-all buffer, 0 for dense layers or without EP
-    p2p_bytes: float  # activation this unit hands to the next pipeline stage
+    """Activations kept from the forward to the backward."""
+    recompute_bytes: float = 0.0
+    """Activations rebuilt by the recompute, held during the backward."""
+    tp_bytes: float = 0.0
+    """One TP all-reduce buffer (b·s/c·h elements in the activation dtype); 0 without TP."""
+    tp_count_forward: int = 0
+    """TP all-reduces in the forward."""
+    tp_count_backward: int = 0
+    """TP all-reduces in the backward."""
+    cp_bytes: float = 0.0
+    """CP ring all-gather buffer (c chunks of K and V); 0 without CP."""
+    ep_bytes: float = 0.0
+    """Per-rank all-to-all buffer; 0 for dense layers or without EP."""
+    p2p_bytes: float = 0.0
+    """Activation this unit hands to the next pipeline stage."""
     is_moe: bool = False
+    """An MoE layer (its MLP talks through the expert dispatcher)."""
 
 
 def _split(work: Work, fraction: float) -> tuple[Work, Work]:
     return work.scaled(fraction), work.scaled(1 - fraction)
 
 
-def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
+def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit]:
     """Units (embedding, layers, head) as one model-parallel rank holds and runs them."""
     t, c = deg.tp, deg.cp
     b = training.micro_batch_size
@@ -92,8 +100,8 @@ def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
 
     lookup = Work(bytes_accessed=2.0 * local * h * act / (t if deg.sequence_parallel else 1))
     units.append(MPUnit(
-        "embed", model.embedding_params() / t, 0.0, lookup, Work(), Work(), lookup.scaled(2), Work(),
-        0.0, 0.0, tp_bytes, 1 if t > 1 else 0, 0, 0.0, 0.0, p2p_bytes,
+        name="embed", dense_params=model.embedding_params() / t, pre=lookup, backward=lookup.scaled(2),
+        activation_bytes=0.0, tp_bytes=tp_bytes, tp_count_forward=1 if t > 1 else 0, p2p_bytes=p2p_bytes,
     ))
     kv_per_rank = max(model.kv_heads / t, 1.0)
     for i in range(model.num_layers):
@@ -159,11 +167,13 @@ def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
         remote_recompute = attn_remote.attention_forward if mode != "none" else 0.0
         backward_remote = Work(0.0, remote_recompute, 2 * attn_remote.attention_forward, 0.0)
         cp_bytes = c * 2 * (model.seq_len / c) * b * kv_per_rank * model.head_dim_resolved * act if c > 1 else 0.0
+        tp_count = (1 if moe else 2) if t > 1 else 0
         units.append(MPUnit(
-            f"layer{i}", dense_params, expert_params, pre, attn_remote, post, backward, backward_remote,
-            kept, max(stored - kept, 0.0) if mode != "none" else 0.0,
-            tp_bytes, (1 if moe else 2) if t > 1 else 0, (1 if moe else 2) if t > 1 else 0,
-            cp_bytes, ep_bytes, p2p_bytes, is_moe=moe,
+            name=f"layer{i}", dense_params=dense_params, expert_params=expert_params, pre=pre, remote=attn_remote,
+            post=post, backward=backward, backward_remote=backward_remote, activation_bytes=kept,
+            recompute_bytes=max(stored - kept, 0.0) if mode != "none" else 0.0, tp_bytes=tp_bytes,
+            tp_count_forward=tp_count, tp_count_backward=tp_count, cp_bytes=cp_bytes, ep_bytes=ep_bytes,
+            p2p_bytes=p2p_bytes, is_moe=moe,
         ))
     head_gemm = model.head_forward_flops(tokens) / (t * c)
     # The loss, kernel by kernel per logit [INF]: the GEMM writes bf16 logits (2 bytes), the
@@ -171,9 +181,10 @@ def mp_units(model: Model, training: Training, deg: Degrees) -> list[MPUnit]:
     # backward); backward: its gradient reads 4 and writes 4, the cast to bf16 reads 4, writes 2.
     elements = local * vocab / t
     units.append(MPUnit(
-        "head", (model.head_params() / t) + model.final_norm_params(), 0.0,
-        Work(head_gemm, 0.0, 0.0, 16 * elements), Work(), Work(), Work(2 * head_gemm, 0.0, 0.0, 14 * elements),
-        Work(), 4 * elements, 0.0, tp_bytes, 0, 1 if t > 1 else 0, 0.0, 0.0, p2p_bytes,
+        name="head", dense_params=(model.head_params() / t) + model.final_norm_params(),
+        pre=Work(gemm=head_gemm, bytes_accessed=16 * elements),
+        backward=Work(gemm=2 * head_gemm, bytes_accessed=14 * elements), activation_bytes=4 * elements,
+        tp_bytes=tp_bytes, tp_count_backward=1 if t > 1 else 0, p2p_bytes=p2p_bytes,
     ))
     return units
 
@@ -195,18 +206,18 @@ def merge_units(units: Sequence[MPUnit]) -> MPUnit:
     pre = total("pre")
     post = total("post")
     return MPUnit(
-        f"{units[0].name}-{units[-1].name}", 0.0, 0.0,
-        pre + post, Work(), Work(), total("backward"), Work(),
-        sum(u.activation_bytes for u in units), max(u.recompute_bytes for u in units), tp_bytes,
-        sum(u.tp_count_forward for u in units), sum(u.tp_count_backward for u in units), 0.0, 0.0,
-        units[-1].p2p_bytes,
+        name=f"{units[0].name}-{units[-1].name}", dense_params=0.0, pre=pre + post, backward=total("backward"),
+        activation_bytes=sum(u.activation_bytes for u in units),
+        recompute_bytes=max(u.recompute_bytes for u in units), tp_bytes=tp_bytes,
+        tp_count_forward=sum(u.tp_count_forward for u in units),
+        tp_count_backward=sum(u.tp_count_backward for u in units), p2p_bytes=units[-1].p2p_bytes,
     )
 
 
 class UnitEmitter:
     """Writes one unit's forward or backward (one micro-batch) with its TP/CP/EP collectives."""
 
-    def __init__(self, emit: Emitter, deg: Degrees, group_of: Callable[[str, int], tuple[str, Ranks]]) -> None:
+    def __init__(self, emit: Emitter, deg: ParallelDims, group_of: Callable[[str, int], tuple[str, Ranks]]) -> None:
         self.emit, self.deg = emit, deg
         sizes = {"tp": deg.tp, "cp": deg.cp, "ep": deg.ep}
         self.instances: dict[str, Instances] = {
@@ -273,3 +284,79 @@ class UnitEmitter:
             last = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.bwd.{label}",
                                    "ep", "compute", [last], step)
         return self._tp(unit, unit.tp_count_backward, f"bwd.{label}", [last], step) or last
+
+
+class UnitPass:
+    """A unit's forward or backward for one micro-batch with all that surrounds it: the
+    parameter gathers it waits for, the gather buffers it frees, the gradient reductions it
+    starts; and at each step end the reductions and the optimizer.
+
+    Any compute schedule (the ZeRO family's flat loop, one pipeline stage of ``nd``) calls
+    :meth:`forward` and :meth:`backward` for each unit in program order (``uses``), then
+    :meth:`reduce` and :meth:`optimize`. Dense parameters shard over their data-parallel
+    (dp × cp) group, expert parameters over their expert-data-parallel group, with the
+    param | grad | optim sizes that ``sizes(dp_size)`` gives for a group of that size.
+    """
+
+    def __init__(self, emit: Emitter, dims: ParallelDims, units: Sequence[MPUnit], training: Training,
+                 placement: Placement, experts: Placement, schedule: Schedule, uses: Sequence[Use],
+                 sizes: Callable[[int], tuple[int, int, int]], num_micro_batches: int) -> None:
+        def group_of(dim: str, rank: int) -> tuple[str, Ranks]:
+            members = (experts if dim == "ep" else placement).group(dim, rank)
+            return f"{dim}.{members[0]}", members
+
+        self.unit_emit = UnitEmitter(emit, dims, group_of)
+        self.num_micro_batches = num_micro_batches
+        names = [u.name for u in units]
+        first = lambda group: group[0]  # noqa: E731  (groups are sorted)
+        dense_groups = tuple(sorted({placement.group(("dp", "cp"), r) for r in emit.lanes}, key=first))
+        self.sharded = [ShardedParams(emit, [u.dense_params for u in units], names, training,
+                                      NestedSharding(*sizes(len(dense_groups[0])), dense_groups), schedule, uses)]
+        if any(u.expert_params for u in units):
+            expert_groups = tuple(sorted({experts.group("edp", r) for r in emit.lanes}, key=first))
+            self.sharded.append(ShardedParams(
+                emit, [u.expert_params for u in units], names, training,
+                NestedSharding(*sizes(len(expert_groups[0])), expert_groups), schedule, uses, tag="experts.",
+            ))
+
+    def forward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
+        """Forward of ``unit`` (the ``index``-th of the schedule's units) after ``incoming``."""
+        deps = [incoming, *(d for s in self.sharded for d in s.forward_deps(step, mb, index))]
+        released = sum(s.forward_free(index) for s in self.sharded)
+        last = self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", deps, step, {"activations": unit.activation_bytes},
+                                      {"buffers": released} if released else None)
+        for s in self.sharded:
+            s.forward_done(step, mb, index, last)
+        return last
+
+    def backward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
+        deps = [incoming, *(d for s in self.sharded for d in s.backward_deps(step, mb, index))]
+        alloc = {"activations": unit.recompute_bytes, "buffers": sum(s.backward_alloc(index) for s in self.sharded)}
+        free = {"activations": unit.activation_bytes + unit.recompute_bytes,
+                "buffers": sum(s.backward_free(index) for s in self.sharded)}
+        last = self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", deps, step, alloc, free)
+        for s in self.sharded:
+            s.backward_done(step, mb, index, last, last_mb=mb == self.num_micro_batches - 1)
+        return last
+
+    def forward_merged(self, unit: MPUnit, step: int, mb: int, incoming: Ids | None) -> Ids:
+        """Forward of a merged unit (:func:`merge_units`: no parameters, so no sharding hooks)."""
+        return self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", [incoming], step,
+                                      {"activations": unit.activation_bytes}, None)
+
+    def backward_merged(self, unit: MPUnit, step: int, mb: int, incoming: Ids | None) -> Ids:
+        free = {"activations": unit.activation_bytes + unit.recompute_bytes}
+        return self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", [incoming], step,
+                                       {"activations": unit.recompute_bytes}, free)
+
+    def reduce(self, step: int, end_of_backward: Ids) -> list[Ids | None]:
+        """The step-end gradient reductions (with the end of the backward: what the gradient-norm
+        all-reduce waits for)."""
+        out: list[Ids | None] = [end_of_backward]
+        for s in self.sharded:
+            out += s.reduce_step(step, end_of_backward)
+        return out
+
+    def optimize(self, step: int, norm: Ids) -> None:
+        for s in self.sharded:
+            s.optimize(step, [norm])

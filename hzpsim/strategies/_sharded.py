@@ -118,9 +118,13 @@ class NestedSharding:
         return cached[rank]
 
 
-@dataclass(frozen=True)
+MAX_PREFETCH_DEPTH = 8
+
+
+@dataclass(frozen=True, kw_only=True)
 class Schedule:
-    """How collectives are issued."""
+    """How collectives are issued. Checks its own fields (``ValueError("<field>: ...")``), so
+    every strategy that configures one rejects a bad knob with the knob's name."""
 
     prefetch_depth: int = 1  # all-gathers issued ahead of use; D+1 gather buffers in a ring
     reshard_after_forward: bool = True  # gather again for the backward
@@ -133,6 +137,19 @@ class Schedule:
     forward_gather_bytes: float = 0.0  # ZeRO++ qwZ: bytes per parameter in forward gathers; 0 = working dtype
     grad_reduce_bytes: float = 0.0  # ZeRO++ qgZ: bytes per gradient element reduced; 0 = grad dtype
     streams: tuple[tuple[str, str], ...] = (("ag", "ag"), ("rs", "rs"), ("dp", "dp"))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.prefetch_depth <= MAX_PREFETCH_DEPTH:
+            raise ValueError(f"prefetch_depth: must be between 0 and {MAX_PREFETCH_DEPTH}, got {self.prefetch_depth}")
+        if self.reduce_buffers < 1:
+            raise ValueError(f"reduce_buffers: must be >= 1, got {self.reduce_buffers}")
+        if self.hierarchical_gather < 1:
+            raise ValueError(f"hierarchical_gather: must be >= 1, got {self.hierarchical_gather}")
+        if self.backward_gather_size < 0:
+            raise ValueError(f"hpz_partition_size: must be >= 1, got {self.backward_gather_size}")
+        for name in ("forward_gather_bytes", "grad_reduce_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0 bytes per element")
 
     def stream(self, role: str) -> str:
         return dict(self.streams)[role]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from hzpsim.cluster.topology import Topology
 from hzpsim.model import Model
 from hzpsim.strategies import _family, compose_label
-from hzpsim.strategies._model_parallel import Degrees
+from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._sharded import Schedule
 from hzpsim.training import Training
 
@@ -54,26 +54,20 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name}: must be >= 1")
-        if not 0 <= self.prefetch_depth <= 8:
-            raise ValueError("prefetch_depth: must be between 0 and 8")
-        if self.reduce_buffers < 1:
-            raise ValueError("reduce_buffers: must be >= 1")
         if not 0 <= self.memory_reserve_fraction < 1:
             raise ValueError("memory_reserve_fraction: must be in [0, 1)")
-        for name in ("tp", "cp", "ep"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1")
-        if self.moe_imbalance < 1:
-            raise ValueError("moe_imbalance: must be >= 1")
+        dims(self)  # the degrees and the schedule check their own fields
+        schedule(self)
 
 
-def degrees(config: Config) -> Degrees:
-    return Degrees(tp=config.tp, cp=config.cp, ep=config.ep, sequence_parallel=config.sequence_parallel,
+def dims(config: Config) -> ParallelDims:
+    """The model parallelism the sharding composes with."""
+    return ParallelDims(tp=config.tp, cp=config.cp, ep=config.ep, sequence_parallel=config.sequence_parallel,
                    moe_imbalance=config.moe_imbalance)
 
 
 def sizes(config: Config, topology: Topology) -> tuple[int, int, int]:
-    levels = _family.level_group_sizes(topology, degrees(config))
+    levels = _family.level_group_sizes(topology, dims(config))
     p = config.param_group_size or levels["island"]
     g = config.grad_group_size or p
     o = config.optim_group_size or levels["all"]
@@ -86,21 +80,29 @@ def resolve(config: Config, topology: Topology) -> Config:
     return dataclasses.replace(config, param_group_size=p, grad_group_size=g, optim_group_size=o)
 
 
-def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
-    schedule = Schedule(
+def schedule(config: Config) -> Schedule:
+    """Async: dedicated streams and a fixed ring of buffers; sync: one communicator, buffers per use."""
+    return Schedule(
         prefetch_depth=config.prefetch_depth,
         reshard_after_forward=config.reshard_after_forward,
         reduce_buffers=config.reduce_buffers,
         fixed_buffers=config.async_,
         streams=_family.async_streams(config.async_),
     )
-    return _family.FamilyPlan(*sizes(config, topology), schedule, degrees(config))
+
+
+def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
+    p, g, o = sizes(config, topology)
+    keys = ("param_group_size", "grad_group_size" if config.grad_group_size else "param_group_size",
+            "optim_group_size")  # a defaulted size is the one it copies
+    return _family.FamilyPlan(param_size=p, grad_size=g, optim_size=o, schedule=schedule(config), dims=dims(config),
+                              keys=keys)
 
 
 def candidates(config: Config, model: Model, training: Training, topology: Topology) -> list[Config]:
     """Divisor chains param | grad | optim | N whose sizes are topology-level sizes (one rank,
     the island, the node, the leaf, everything), for the planner to simulate."""
-    levels = _family.level_group_sizes(topology, degrees(config))
+    levels = _family.level_group_sizes(topology, dims(config))
     world = levels["all"]
     options = sorted(d for d in {1, *levels.values()} if world % d == 0)
     out = []

@@ -23,7 +23,8 @@ class Config:
 
 
 def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
-    return _family.FamilyPlan(1, 1, 1, Schedule(overlap_grad_reduce=config.overlap_grad_reduce))
+    return _family.FamilyPlan(param_size=1, grad_size=1, optim_size=1,
+                              schedule=Schedule(overlap_grad_reduce=config.overlap_grad_reduce))
 
 
 check, build = _family.delegates(plan)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
 from hzpsim.strategies import _family, compose_label
-from hzpsim.strategies._model_parallel import Degrees
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -31,9 +30,10 @@ class Config:
 
 
 def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
-    g = config.shard_group_size or _family.level_group_sizes(topology, Degrees())["node"]
+    g = config.shard_group_size or _family.level_group_sizes(topology)["node"]
     schedule = Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=config.reshard_after_forward)
-    return _family.FamilyPlan(g, g, g, schedule, keys=("shard_group_size",) * 3)
+    return _family.FamilyPlan(param_size=g, grad_size=g, optim_size=g, schedule=schedule,
+                              keys=("shard_group_size",) * 3)
 
 
 check, build = _family.delegates(plan)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
 from hzpsim.strategies import _family, compose_label
-from hzpsim.strategies._model_parallel import Degrees
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -33,11 +32,12 @@ class Config:
 
 
 def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
-    levels = _family.level_group_sizes(topology, Degrees())
+    levels = _family.level_group_sizes(topology)
     g = config.shard_group_size or levels["node"]
     o = levels["all"] if config.outer_optim_sharding else g
     schedule = Schedule(prefetch_depth=config.prefetch_depth, fixed_buffers=config.double_buffer)
-    return _family.FamilyPlan(g, g, o, schedule, keys=("shard_group_size",) * 3)
+    return _family.FamilyPlan(param_size=g, grad_size=g, optim_size=o, schedule=schedule,
+                              keys=("shard_group_size",) * 3)
 
 
 check, build = _family.delegates(plan)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
 from hzpsim.strategies import _family, compose_label
-from hzpsim.strategies._model_parallel import Degrees
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -33,11 +32,12 @@ class Config:
 
 
 def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
-    levels = _family.level_group_sizes(topology, Degrees())
+    levels = _family.level_group_sizes(topology)
     p = config.partition_size or levels["node"]
     inner = levels["node"] if config.hierarchical_params_gather and p > levels["node"] else 1
     schedule = Schedule(prefetch_depth=config.prefetch_depth, hierarchical_gather=inner)
-    return _family.FamilyPlan(p, p, p, schedule, keys=("partition_size",) * 3)
+    return _family.FamilyPlan(param_size=p, grad_size=p, optim_size=p, schedule=schedule,
+                              keys=("partition_size",) * 3)
 
 
 check, build = _family.delegates(plan)

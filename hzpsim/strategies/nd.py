@@ -21,21 +21,13 @@ from typing import Literal
 
 from hzpsim.cluster.placement import Placement, expert_placement
 from hzpsim.cluster.topology import Topology
-from hzpsim.config import ScenarioError
 from hzpsim.model import Model
-from hzpsim.ops import OpGraph, Ranks
+from hzpsim.ops import OpGraph
 from hzpsim.strategies import compose_label
-from hzpsim.strategies._model_parallel import Degrees, MPUnit, UnitEmitter, merge_units, mp_units
-from hzpsim.strategies._sharded import (
-    Emitter,
-    Ids,
-    NestedSharding,
-    Schedule,
-    ShardedParams,
-    Use,
-    grad_norm,
-)
-from hzpsim.training import Training, check_micro_batches
+from hzpsim.strategies._dims import ParallelDims
+from hzpsim.strategies._model_parallel import MPUnit, UnitPass, merge_units, mp_units
+from hzpsim.strategies._sharded import Emitter, Ids, Schedule, Use, grad_norm
+from hzpsim.training import Training
 
 
 @dataclass(frozen=True)
@@ -58,26 +50,39 @@ class Config:
     prefetch_depth: int = 1  # zero_stage 3: all-gathers in flight ahead of use
 
     def validate(self) -> None:
-        for name in ("tp", "pp", "cp", "ep", "etp", "vpp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: must be >= 1")
-        if self.dp is not None and self.dp < 1:
-            raise ValueError("dp: must be >= 1")
-        if not 0 <= self.tp_comm_overlap <= 1:
-            raise ValueError("tp_comm_overlap: must be between 0 and 1")
-        if self.moe_imbalance < 1:
-            raise ValueError("moe_imbalance: must be >= 1 (busiest over mean)")
-        if self.vpp > 1 and self.pp == 1:
-            raise ValueError("vpp: interleaving needs pp > 1")
+        dims(self)  # the degrees and the schedule check their own fields
+        schedule(self)
 
 
-@dataclass(frozen=True)
+def dims(config: Config) -> ParallelDims:
+    return ParallelDims(tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp, ep=config.ep, etp=config.etp,
+                        vpp=config.vpp, sequence_parallel=config.sequence_parallel,
+                        tp_comm_overlap=config.tp_comm_overlap, moe_imbalance=config.moe_imbalance)
+
+
+def schedule(config: Config) -> Schedule:
+    """Megatron's distributed-optimizer overlap flags; with zero_stage 3, FSDP's prefetch."""
+    return Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=True,
+                    overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Layout:
-    dp: int
+    """A validated ND layout: degrees, micro-batches, the layers of each model chunk, ranks."""
+
+    dims: ParallelDims
     num_micro_batches: int
+    """Micro-batches per pipeline per step."""
     layers_per_virtual_stage: tuple[int, ...]
+    """Transformer layers of each of the pp × vpp model chunks, in model order."""
     placement: Placement
+    """Dense ranks in Megatron's order (tp fastest, then cp, dp, pp)."""
     experts: Placement
+    """Expert ranks (etp, ep, edp, pp): MoE parallel folding."""
+
+    @property
+    def dp(self) -> int:
+        return self.dims.data_parallel(self.placement.num_devices)
 
 
 def stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> tuple[int, ...]:
@@ -100,15 +105,19 @@ def stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
             raise ValueError(f"{key}: pp x vpp = {pp} x {vpp} = {virtual} model chunks need at least {virtual - 2} "
                              f"layers for the chunks between the first and the last; model.num_layers is {num_layers}")
         return tuple(even)
+    named = "first_stage_layers" if first is not None else "last_stage_layers"
+    for key, value in (("first_stage_layers", first), ("last_stage_layers", last)):
+        if value is not None and value < 0:
+            raise ValueError(f"{key}: must be >= 0, got {value}")
     if pp < 2:
-        raise ValueError("first_stage_layers: uneven stages need pp > 1")
+        raise ValueError(f"{named}: uneven stages need pp > 1")
     f = first if first is not None else None
     la = last if last is not None else None
     middle_ranks = pp - (f is not None) - (la is not None)
     rest = num_layers - (f or 0) - (la or 0)
     if rest < 0 or (middle_ranks and rest % (middle_ranks * vpp)) or (not middle_ranks and rest):
         raise ValueError(
-            f"first_stage_layers: {num_layers} layers cannot be split as first={first}, last={last} "
+            f"{named}: {num_layers} layers cannot be split as first={first}, last={last} "
             f"with the other {middle_ranks} stages x {vpp} chunks equal"
         )
     per_rank = [rest // middle_ranks if middle_ranks else 0] * pp
@@ -118,7 +127,7 @@ def stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
         per_rank[-1] = la
     for r, n in enumerate(per_rank):
         if n % vpp:
-            raise ValueError(f"first_stage_layers: stage {r} holds {n} layers, not divisible by vpp={vpp}")
+            raise ValueError(f"{named}: stage {r} holds {n} layers, not divisible by vpp={vpp}")
     counts = tuple(per_rank[v % pp] // vpp for v in range(virtual))
     empty = [v for v in range(1, virtual - 1) if counts[v] == 0]  # the edge chunks keep embedding / head
     if empty:
@@ -129,42 +138,13 @@ def stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
 
 
 def layout(config: Config, model: Model, training: Training, topology: Topology) -> Layout:
-    n = topology.num_devices
-    t, p, c = config.tp, config.pp, config.cp
-    if n % (t * p * c):
-        raise ValueError(f"tp: tp x pp x cp = {t} x {p} x {c} does not divide the {n} devices")
-    dp = config.dp if config.dp is not None else n // (t * p * c)
-    if t * p * dp * c != n:
-        raise ValueError(f"dp: tp x pp x dp x cp = {t} x {p} x {dp} x {c} = {t * p * dp * c}, not the {n} devices")
-    if model.num_heads % t:
-        raise ValueError(f"tp: {t} does not divide model.num_heads {model.num_heads}")
-    if model.kv_heads % t:
-        raise ValueError(f"tp: {t} does not divide model.num_kv_heads {model.kv_heads}")
-    if model.seq_len % (2 * c) and c > 1:
-        raise ValueError(f"cp: model.seq_len {model.seq_len} is not divisible by 2 x cp (load-balanced causal split)")
-    per_step = training.micro_batch_size * dp
-    if training.global_batch_size % per_step:
-        raise ScenarioError(
-            f"training.global_batch_size: {training.global_batch_size} is not divisible by "
-            f"micro_batch_size x data-parallel size = {training.micro_batch_size} x {dp}"
-        )
-    m = training.global_batch_size // per_step
-    check_micro_batches(m)
-    if config.vpp > 1 and m % p:
-        raise ValueError(f"vpp: interleaving needs the {m} micro-batches per step to be a multiple of pp={p}")
-    if config.ep > 1 or config.etp > 1:
-        if model.moe is None:
-            raise ValueError("ep: expert parallelism needs an MoE model (model.moe)")
-        if model.moe.num_experts % config.ep:
-            raise ValueError(f"ep: {config.ep} does not divide model.moe.num_experts {model.moe.num_experts}")
-        if (n // p) % (config.ep * config.etp):
-            raise ValueError(f"ep: ep x etp = {config.ep * config.etp} does not divide the {n // p} ranks of a stage")
-        if t > 1 and not config.sequence_parallel:
-            raise ValueError("sequence_parallel: Megatron requires it when ep > 1 and tp > 1")
-    layers = stage_layers(model.num_layers, p, config.vpp, config.first_stage_layers, config.last_stage_layers)
-    placement = Placement.from_sizes(n, order=("tp", "cp", "dp", "pp"), tp=t, cp=c, dp=dp, pp=p)
-    experts = expert_placement(n, config.ep, config.etp, p)
-    return Layout(dp, m, layers, placement, experts)
+    n, d = topology.num_devices, dims(config)
+    d.check(model, training, n)
+    layers = stage_layers(model.num_layers, d.pp, d.vpp, config.first_stage_layers, config.last_stage_layers)
+    dp = d.data_parallel(n)
+    placement = Placement.from_sizes(n, order=("tp", "cp", "dp", "pp"), tp=d.tp, cp=d.cp, dp=dp, pp=d.pp)
+    return Layout(dims=d, num_micro_batches=d.num_micro_batches(training, n), layers_per_virtual_stage=layers,
+                  placement=placement, experts=expert_placement(n, d.ep, d.etp, d.pp))
 
 
 def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
@@ -194,45 +174,36 @@ def pipeline_actions(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, 
     return actions
 
 
-def _sharding(stage: int, n: int, groups: tuple[Ranks, ...]) -> NestedSharding:
-    sizes = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[stage]
-    return NestedSharding(*sizes, dp_groups=groups)
+def _sharding_sizes(zero_stage: int, n: int) -> tuple[int, int, int]:
+    """param | grad | optim sizes of ZeRO stage ``zero_stage`` over a data-parallel group of n."""
+    return {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[zero_stage]
 
 
 def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
     lay = layout(config, model, training, topology)
-    n, p, v, m = topology.num_devices, config.pp, config.vpp, lay.num_micro_batches
+    d, n, m = lay.dims, topology.num_devices, lay.num_micro_batches
     placement = lay.placement
     stage_lanes = [
         sorted(r for r in range(n) if placement.coord(r)["pp"] == s) if expand
         else [placement.rank(tp=0, cp=0, dp=0, pp=s)]
-        for s in range(p)
+        for s in range(d.pp)
     ]
-    weights = {r: (1 if expand else n // p) for lanes in stage_lanes for r in lanes}
+    weights = {r: (1 if expand else n // d.pp) for lanes in stage_lanes for r in lanes}
     graph = OpGraph(n, weights, training.precision,
-                    meta={"pp": p, "vpp": v, "tp": config.tp, "dp": lay.dp, "cp": config.cp, "ep": config.ep,
+                    meta={"pp": d.pp, "vpp": d.vpp, "tp": d.tp, "dp": lay.dp, "cp": d.cp, "ep": d.ep,
                           "num_micro_batches": m, "layers_per_virtual_stage": list(lay.layers_per_virtual_stage)})
-    deg = Degrees(config.tp, config.cp, config.ep, config.etp, config.sequence_parallel,
-                  config.tp_comm_overlap, config.moe_imbalance)
-    units = mp_units(model, training, deg)
+    units = mp_units(model, training, d)
     # units of each virtual stage: embedding on the first, head on the last
-    bounds, start = [], 1
+    bounds: list[list[int]] = []
+    start = 1
     for count in lay.layers_per_virtual_stage:
         bounds.append(list(range(start, start + count)))
         start += count
     bounds[0].insert(0, 0)
     bounds[-1].append(len(units) - 1)
-    schedule = Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=True,
-                        overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather)
-
-    def group_of(dim: str, rank: int) -> tuple[str, Ranks]:
-        source = lay.experts if dim == "ep" else placement
-        members = source.group(dim, rank)
-        return f"{dim}.{members[0]}", members
-
-    stages = [_Stage(graph, lanes, s, p, v, m, bounds, units, training, deg, schedule, config, lay, group_of)
+    stages = [_Stage(graph=graph, lanes=lanes, rank=s, lay=lay, bounds=bounds, units=units, training=training,
+                     schedule=schedule(config), zero_stage=config.zero_stage)
               for s, lanes in enumerate(stage_lanes)]
-    world = range(n)
     sends: dict[tuple[str, int, int], Ids] = {}  # (direction, virtual stage, micro-batch) -> send op ids
     for step in range(training.num_steps):
         for stage in stages:
@@ -247,45 +218,38 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
             assert progressed or not pending, "pipeline schedule deadlocked while emitting"
         reduced: list[Ids | None] = []
         for stage in stages:
-            reduced += stage.reduce(step)
-        norm = grad_norm(Emitter(graph, [r for lanes in stage_lanes for r in lanes]), world, reduced, step)
+            reduced += stage.unit_pass.reduce(step, stage.last)
+        norm = grad_norm(Emitter(graph, [r for lanes in stage_lanes for r in lanes]), range(n), reduced, step)
         for stage in stages:
-            stage.optimize(step, norm)
+            stage.unit_pass.optimize(step, norm)
     return graph
 
 
 class _Stage:
-    """One pipeline rank's program (for its simulated lanes)."""
+    """One pipeline rank's program (for its simulated lanes): Megatron's schedule of forward
+    and backward passes over its model chunks, the point-to-point sends between chunks."""
 
-    def __init__(self, graph, lanes, rank, p, v, m, bounds, units: list[MPUnit], training, deg, schedule,
-                 config: Config, lay: Layout, group_of) -> None:
-        self.graph, self.lanes, self.rank, self.p, self.v, self.m = graph, lanes, rank, p, v, m
+    def __init__(self, *, graph: OpGraph, lanes: list[int], rank: int, lay: Layout, bounds: list[list[int]],
+                 units: list[MPUnit], training: Training, schedule: Schedule, zero_stage: int) -> None:
+        d = lay.dims
+        self.graph, self.lanes, self.rank, self.lay = graph, lanes, rank, lay
+        self.p, self.v, self.m = d.pp, d.vpp, lay.num_micro_batches
         self.units = units
-        self.chunks = [bounds[c * p + rank] for c in range(v)]  # unit indices per model chunk
+        self.chunks = [bounds[c * self.p + rank] for c in range(self.v)]  # unit indices per model chunk
         self.local = [u for chunk in self.chunks for u in chunk]
         self.index = {u: i for i, u in enumerate(self.local)}
         self.emit = Emitter(graph, lanes)
-        self.unit_emit = UnitEmitter(self.emit, deg, group_of)
-        self.training, self.config, self.lay = training, config, lay
-        self.actions = pipeline_actions(p, v, m, rank)
+        self.actions = pipeline_actions(self.p, self.v, self.m, rank)
         uses: list[Use] = []
         for step in range(training.num_steps):
             for kind, c, mb in self.actions:
                 chunk = self.chunks[c]
                 ordered = chunk if kind == "F" else list(reversed(chunk))
                 uses += [(step, mb, "fwd" if kind == "F" else "bwd", self.index[u]) for u in ordered]
-        placement, experts = lay.placement, lay.experts
-        dense_groups = tuple(sorted({placement.group(("dp", "cp"), r) for r in lanes}, key=lambda g: g[0]))
-        names = [units[u].name for u in self.local]
-        self.dense = ShardedParams(self.emit, [units[u].dense_params for u in self.local], names, training,
-                                   _sharding(config.zero_stage, len(dense_groups[0]), dense_groups), schedule, uses)
-        self.expert = None
-        if any(units[u].expert_params for u in self.local):
-            edp_groups = tuple(sorted({experts.group("edp", r) for r in lanes}, key=lambda g: g[0]))
-            self.expert = ShardedParams(self.emit, [units[u].expert_params for u in self.local], names, training,
-                                        _sharding(config.zero_stage, len(edp_groups[0]), edp_groups), schedule,
-                                        uses, tag="experts.")
-        self.next_stage = {r: placement.rank(**{**placement.coord(r), "pp": rank + 1}) for r in lanes} if rank < p - 1 else {}
+        placement = lay.placement
+        self.unit_pass = UnitPass(self.emit, d, [units[u] for u in self.local], training, placement, lay.experts,
+                                  schedule, uses, lambda size: _sharding_sizes(zero_stage, size), self.m)
+        self.next_stage = {r: placement.rank(**{**placement.coord(r), "pp": rank + 1}) for r in lanes} if rank < self.p - 1 else {}
         self.prev_stage = {r: placement.rank(**{**placement.coord(r), "pp": rank - 1}) for r in lanes} if rank > 0 else {}
         self.position = 0
         self.last: Ids = {}
@@ -294,15 +258,12 @@ class _Stage:
         # events. The first forward and the last backward of a step stay per unit, since the
         # parameter all-gather and the gradient reduction overlap them unit by unit.
         self.mergeable = [
-            config.zero_stage <= 1 and len(chunk) > 1
+            zero_stage <= 1 and len(chunk) > 1
             and not any(units[u].cp_bytes or units[u].ep_bytes or units[u].is_moe for u in chunk)
             for chunk in self.chunks
         ]
         self.merged = [merge_units([units[u] for u in chunk]) if ok else None
                        for chunk, ok in zip(self.chunks, self.mergeable)]
-
-    def _sharded(self) -> list[ShardedParams]:
-        return [s for s in (self.dense, self.expert) if s is not None]
 
     def start_step(self, step: int) -> None:
         self.position = 0
@@ -353,19 +314,10 @@ class _Stage:
         last: Ids | None = incoming
         merged = self.merged[c]
         if merged is not None and mb > 0:
-            last = self.unit_emit.forward(merged, f"{merged.name}.mb{mb}", [last], step,
-                                          {"activations": merged.activation_bytes}, None)
-            self._forwarded(c, mb, vs, step, last, sends)
-            return
-        for u in self.chunks[c]:
-            unit = self.units[u]
-            i = self.index[u]
-            deps = [last] + [d for s in self._sharded() for d in s.forward_deps(step, mb, i)]
-            free = sum(s.forward_free(i) for s in self._sharded())
-            last = self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", deps, step,
-                                          {"activations": unit.activation_bytes}, {"buffers": free} if free else None)
-            for s in self._sharded():
-                s.forward_done(step, mb, i, last)
+            last = self.unit_pass.forward_merged(merged, step, mb, last)
+        else:
+            for u in self.chunks[c]:
+                last = self.unit_pass.forward(self.units[u], self.index[u], step, mb, last)
         assert last is not None
         self._forwarded(c, mb, vs, step, last, sends)
 
@@ -378,21 +330,10 @@ class _Stage:
         last: Ids | None = incoming
         merged = self.merged[c]
         if merged is not None and mb < self.m - 1:
-            free = {"activations": merged.activation_bytes + merged.recompute_bytes}
-            last = self.unit_emit.backward(merged, f"{merged.name}.mb{mb}", [last], step,
-                                           {"activations": merged.recompute_bytes}, free)
-            self._backwarded(c, mb, vs, step, last, sends)
-            return
-        for u in reversed(self.chunks[c]):
-            unit = self.units[u]
-            i = self.index[u]
-            deps = [last] + [d for s in self._sharded() for d in s.backward_deps(step, mb, i)]
-            alloc = {"activations": unit.recompute_bytes, "buffers": sum(s.backward_alloc(i) for s in self._sharded())}
-            free = {"activations": unit.activation_bytes + unit.recompute_bytes,
-                    "buffers": sum(s.backward_free(i) for s in self._sharded())}
-            last = self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", deps, step, alloc, free)
-            for s in self._sharded():
-                s.backward_done(step, mb, i, last, last_mb=mb == self.m - 1)
+            last = self.unit_pass.backward_merged(merged, step, mb, last)
+        else:
+            for u in reversed(self.chunks[c]):
+                last = self.unit_pass.backward(self.units[u], self.index[u], step, mb, last)
         assert last is not None
         self._backwarded(c, mb, vs, step, last, sends)
 
@@ -400,16 +341,6 @@ class _Stage:
         self.last = last
         if vs > 0:
             self._send("B", vs, mb, step, self.units[self.chunks[c][0]].p2p_bytes, last, sends)
-
-    def reduce(self, step: int) -> list[Ids | None]:
-        out: list[Ids | None] = [self.last]
-        for s in self._sharded():
-            out += s.reduce_step(step, self.last)
-        return out
-
-    def optimize(self, step: int, norm: Ids) -> None:
-        for s in self._sharded():
-            s.optimize(step, [norm])
 
 
 def label(resolved: dict) -> str:

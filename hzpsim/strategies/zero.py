@@ -35,20 +35,22 @@ class Config:
     overlap_param_gather: bool = False  # stages 1/2: next forward waits per unit (Megatron) or for all (DeepSpeed)
 
     def validate(self) -> None:
-        if not 0 <= self.prefetch_depth <= 8:
-            raise ValueError("prefetch_depth: must be between 0 and 8")
+        schedule(self)  # the schedule checks its own fields
 
 
-def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
-    n = topology.num_devices
-    sizes = {1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[config.stage]
-    schedule = Schedule(
+def schedule(config: Config) -> Schedule:
+    return Schedule(
         prefetch_depth=config.prefetch_depth,
         reshard_after_forward=config.reshard_after_forward,
         overlap_grad_reduce=config.overlap_grad_reduce,
         overlap_param_gather=config.overlap_param_gather,
     )
-    return _family.FamilyPlan(*sizes, schedule)
+
+
+def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
+    n = topology.num_devices
+    p, g, o = {1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[config.stage]
+    return _family.FamilyPlan(param_size=p, grad_size=g, optim_size=o, schedule=schedule(config))
 
 
 check, build = _family.delegates(plan)

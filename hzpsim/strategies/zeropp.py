@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
 from hzpsim.strategies import _family, compose_label
-from hzpsim.strategies._model_parallel import Degrees
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -37,14 +36,14 @@ class Config:
 
 def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     n = topology.num_devices
-    hpz = config.hpz_partition_size or _family.level_group_sizes(topology, Degrees())["node"]
+    hpz = config.hpz_partition_size or _family.level_group_sizes(topology)["node"]
     schedule = Schedule(
         prefetch_depth=config.prefetch_depth,
         backward_gather_size=hpz if hpz > 1 else 0,
         forward_gather_bytes=1.0 if config.quantized_weights else 0.0,
         grad_reduce_bytes=0.5 if config.quantized_gradients else 0.0,
     )
-    return _family.FamilyPlan(n, n, n, schedule)
+    return _family.FamilyPlan(param_size=n, grad_size=n, optim_size=n, schedule=schedule)
 
 
 check, build = _family.delegates(plan)

@@ -12,6 +12,13 @@ Strategies build OpGraphs; the engine replays them without knowing which strateg
 - ``alloc`` is memory taken on each participating rank when the op starts and ``free`` memory
   returned when it ends, by category (params, grads, optimizer, activations, buffers, other).
 
+- ``step`` numbers the optimizer step an op belongs to. **Step boundary contract:** every step
+  holds at least one compute op of category ``"optimizer"`` (``STEP_END_CATEGORY``); a step ends
+  when its last such op ends, and the report measures step time between those ends.
+  The engine needs no steps; the report (``report.step_boundaries``) enforces it.
+- A ``send_recv`` op is issued on its sender only (``ranks`` = the sender, ``group`` = sender
+  and receiver); every other collective's participants all send (``Op.senders``).
+
 Sizes follow the NCCL-tests convention: ``size_bytes`` is the full buffer of an all-gather /
 reduce-scatter (count x ranks x dtype), the per-rank buffer of an all-reduce or all-to-all, and
 the message of a send/recv.
@@ -28,6 +35,7 @@ COLLECTIVE = "collective"
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
+STEP_END_CATEGORY = "optimizer"  # the op category that closes an optimizer step (see above)
 
 MemoryDelta = tuple[tuple[str, float], ...]
 
@@ -114,6 +122,11 @@ class Op:
         self.free = free
         self.step = step
         self.count = count  # a collective repeated back to back (e.g. a layer's two TP all-reduces)
+
+    @property
+    def senders(self) -> tuple[int, ...]:
+        """Simulated ranks that push bytes: the sender of a send/recv, else every participant."""
+        return self.ranks[:1] if self.collective == "send_recv" else self.ranks
 
     @property
     def total_flops(self) -> float:

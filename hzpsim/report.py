@@ -22,9 +22,9 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from hzpsim.cluster.topology import INTRA_NODE_LEVELS
 from hzpsim.model import Model
-from hzpsim.ops import COMPUTE, MEMORY_CATEGORIES, Op
-from hzpsim.sim.collectives import INTRA_NODE_LEVELS
+from hzpsim.ops import COMPUTE, MEMORY_CATEGORIES, STEP_END_CATEGORY, GraphError, Op
 from hzpsim.sim.engine import Trace
 from hzpsim.training import Training
 
@@ -81,11 +81,19 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
 
 
 def step_boundaries(trace: Trace) -> list[float]:
-    """End time of each optimizer step (latest optimizer op across ranks)."""
+    """End time of each optimizer step (latest op of category ``STEP_END_CATEGORY`` across
+    ranks: the step boundary contract of ``hzpsim.ops``). GraphError if a step has none, or if
+    fewer than two steps were simulated."""
     ends: dict[int, float] = {}
+    steps = set()
     for op in trace.graph.ops:
-        if op.category == "optimizer":
+        steps.add(op.step)
+        if op.category == STEP_END_CATEGORY and op.kind == COMPUTE:
             ends[op.step] = max(ends.get(op.step, 0.0), trace.end_s[op.id])
+    if steps - ends.keys() or len(ends) < 2:
+        missing = sorted(steps - ends.keys())
+        raise GraphError(f"step {missing[0] if missing else 'count'}: a step needs a compute op of category "
+                         f"'{STEP_END_CATEGORY}' (the step boundary, see hzpsim.ops), and two steps are needed")
     return [ends[k] for k in sorted(ends)]
 
 
@@ -141,8 +149,7 @@ def comm_bytes(trace: Trace, step: int) -> dict[int, dict[str, float]]:
             continue
         intra = sum(v for k, v in plan.bytes_by_level.items() if k in INTRA_NODE_LEVELS)
         inter = plan.bytes_by_level.get("leaf", 0.0)  # spine bytes are a subset of the NIC's
-        senders = op.ranks[:1] if op.collective == "send_recv" else op.ranks
-        for rank in senders:
+        for rank in op.senders:
             out[rank]["intra_node"] += intra
             out[rank]["inter_node"] += inter
     return out
@@ -159,7 +166,9 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     tokens = training.global_batch_size * model.seq_len
     peak_flops = device.peak_flops_per_s(graph.compute_dtype)
     model_flops = model.model_flops_per_token() * tokens
-    recompute_flops = _recompute_model_flops_per_token(model, training.activation_recompute) * tokens
+    # recompute on the model-FLOPs basis (full attention, no causal halving)
+    recompute_flops = tokens * sum(model.recompute_forward_flops(i, 1, training.activation_recompute, causal=False)
+                                   for i in range(model.num_layers))
     mfu = model_flops / (step_time * n * peak_flops)
     hfu = (model_flops + recompute_flops) / (step_time * n * peak_flops)
 
@@ -253,7 +262,7 @@ def chrome_trace(trace: Trace, window: tuple[float, float] | None = None) -> dic
         start, end = trace.start_s[op.id], trace.end_s[op.id]
         if end < lo or start > hi:
             continue
-        for rank in op.ranks[:1] if op.collective == "send_recv" else op.ranks:
+        for rank in op.senders:
             tid = streams.setdefault((rank, op.stream), len(streams))
             events.append({"name": op.name, "cat": op.category, "ph": "X", "pid": rank, "tid": tid,
                            "ts": start * 1e6, "dur": (end - start) * 1e6})
@@ -281,20 +290,6 @@ def stream_utilization(trace: Trace, ops: list[Op], window: tuple[float, float])
         start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
         busy.setdefault(op.stream, []).append((start, end))
     return {s: _length(_union(iv)) / (hi - lo) for s, iv in sorted(busy.items())}
-
-
-def _recompute_model_flops_per_token(model: Model, mode: str) -> float:
-    """Recompute FLOPs on the model-FLOPs basis (full attention): a forward of every layer for
-    full recompute, the attention core for selective."""
-    if mode == "none":
-        return 0.0
-    total = 0.0
-    for i in range(model.num_layers):
-        flops = model.layer_forward_flops(i, 1, causal=False)
-        total += flops["attention"]
-        if mode == "full":
-            total += flops["gemm"]
-    return total
 
 
 def to_json(report: dict[str, Any] | list[dict[str, Any]]) -> str:

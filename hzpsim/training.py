@@ -36,12 +36,12 @@ class Training:
             raise ValueError("num_steps: must be between 2 and 100 (the last step is reported)")
 
     @property
-    def param_bytes(self) -> int:
+    def param_element_bytes(self) -> int:
         """Bytes per element of the working (compute) parameter copy."""
         return 4 if self.precision == "fp32" else 2
 
     @property
-    def grad_bytes(self) -> int:
+    def grad_element_bytes(self) -> int:
         return 4 if self.grad_dtype == "fp32" else 2
 
 

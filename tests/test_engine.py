@@ -11,7 +11,7 @@ from hzpsim.sim.collectives import CollectiveModel
 from hzpsim.sim.compute import Efficiency
 from hzpsim.sim.engine import simulate
 
-UNIT = Efficiency(1.0, 1.0, 1.0, 1.0, "test: peak rates")
+UNIT = Efficiency(gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="test: peak rates")
 H100_PEAK = 989.4e12
 NVLINK4_ACHIEVED = 450e9 * 370 / 450  # 370 GB/s busbw (nccl-tests #212)
 NDR_ACHIEVED = 50e9 * 0.94
@@ -178,7 +178,8 @@ def test_collective_whose_group_never_assembles_is_reported():
 
 def test_compute_slows_while_its_rank_communicates():
     topo = dgx_h100()
-    slow = Efficiency(1.0, 1.0, 1.0, 1.0, "test", comm_overlap_slowdown=0.25)
+    slow = Efficiency(gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="test",
+                      comm_overlap_slowdown=0.25)
     comm_alone = simulate(_ag_graph(("ag",)), topo, slow).end_s[0]
     trace = simulate(_ag_graph(("ag",), with_compute=True), topo, slow)
     # the gemm runs at 1/1.25 while the gather is in flight, then at full speed

@@ -46,7 +46,7 @@ def trace_of(sc):
 def uniform_free(monkeypatch):
     """The closed form's conditions: communication free (no NCCL base latency here, free links
     in the scenario) and uniform stages (embedding, head and optimizer made free of work)."""
-    monkeypatch.setattr(collectives, "_BASE_LATENCY_US", {"ring": (0.0,) * 3, "tree": (0.0,) * 3})
+    monkeypatch.setattr(collectives, "_BASE_LATENCY_S", {"ring": (0.0,) * 3, "tree": (0.0,) * 3})
     real_units = nd.mp_units
 
     def layers_only(*args, **kwargs):

@@ -26,25 +26,23 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hzpsim.cluster.topology import GroupSpan, Topology
+from hzpsim.cluster.topology import INTER_NODE_LEVELS, GroupSpan, Topology
 
-# NCCL src/graph/tuning.cc (commit b6475625, NCCL 2.19/2.20 era), microseconds.
+# NCCL src/graph/tuning.cc (commit b6475625, NCCL 2.19/2.20 era), which states them in µs:
 # baseLat[algo][proto] and hwLat[link][algo][proto], protocols in order LL, LL128, Simple.
 PROTOCOLS = ("LL", "LL128", "Simple")
-_BASE_LATENCY_US = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 0.0)}
-_HW_LATENCY_US = {
-    ("nvlink", "ring"): (0.6, 1.9, 3.4),
-    ("nvlink", "tree"): (0.6, 1.25, 28.0),
-    ("net", "ring"): (2.7, 4.0, 14.0),
-    ("net", "tree"): (5.0, 8.5, 28.0),
+_US = 1e-6
+_BASE_LATENCY_S = {"ring": (6.6 * _US, 14.0 * _US, 8.4 * _US), "tree": (6.8 * _US, 14.0 * _US, 0.0)}
+_HW_LATENCY_S = {
+    ("nvlink", "ring"): (0.6 * _US, 1.9 * _US, 3.4 * _US),
+    ("nvlink", "tree"): (0.6 * _US, 1.25 * _US, 28.0 * _US),
+    ("net", "ring"): (2.7 * _US, 4.0 * _US, 14.0 * _US),
+    ("net", "tree"): (5.0 * _US, 8.5 * _US, 28.0 * _US),
 }
 # NCCL's bandwidth derating per protocol (ring LL x1/4, LL128 x0.92; tree x0.92 then x0.85).
 _RING_PROTOCOL_BW = (0.25, 0.92, 1.0)
 _TREE_BW = 0.92 * 0.85
 _TREE_PROTOCOL_BW = (1 / 3.8, 120 / 128, 1.0)
-
-INTRA_NODE_LEVELS = ("island", "node")
-INTER_NODE_LEVELS = ("leaf", "spine")
 
 
 @dataclass(frozen=True)
@@ -112,15 +110,15 @@ class CollectiveModel:
 
     # ------------------------------------------------------------------ internals
 
-    def _step_latency_us(self, algo: str, proto: int, level: str) -> float:
+    def _step_latency_s(self, algo: str, proto: int, level: str) -> float:
         """NCCL's hwLat for this link class, algorithm and protocol, scaled so that a ring /
         Simple step costs the topology's per-step latency of the level (the presets use NCCL's
         own 3.4 us NVLink and 14 us network values, which reproduces NCCL's table exactly)."""
-        table = _HW_LATENCY_US[(_link_class(level), algo)][proto]
-        ring_simple = _HW_LATENCY_US[(_link_class(level), "ring")][2]
-        return table / ring_simple * self.topology.link(level).latency_s * 1e6
+        table = _HW_LATENCY_S[(_link_class(level), algo)][proto]
+        ring_simple = _HW_LATENCY_S[(_link_class(level), "ring")][2]
+        return table / ring_simple * self.topology.link(level).latency_s
 
-    def _ring_latency_us(self, span: GroupSpan, proto: int, passes: int) -> float:
+    def _ring_latency_s(self, span: GroupSpan, proto: int, passes: int) -> float:
         n = span.num_ranks
         steps = passes * (n - 1)
         inter_node = passes * (span.num_nodes - 1)
@@ -128,30 +126,29 @@ class CollectiveModel:
         intra = steps - inter_node - inter_island
         outer = "spine" if span.num_leaves > 1 else "leaf"
         return (
-            _BASE_LATENCY_US["ring"][proto]
-            + intra * self._step_latency_us("ring", proto, "island")
-            + inter_island * self._step_latency_us("ring", proto, "node")
-            + inter_node * self._step_latency_us("ring", proto, outer)
+            _BASE_LATENCY_S["ring"][proto]
+            + intra * self._step_latency_s("ring", proto, "island")
+            + inter_island * self._step_latency_s("ring", proto, "node")
+            + inter_node * self._step_latency_s("ring", proto, outer)
         )
 
-    def _tree_latency_us(self, span: GroupSpan, proto: int) -> float:
+    def _tree_latency_s(self, span: GroupSpan, proto: int) -> float:
         per_node = span.max_ranks_per_node
         outer = "spine" if span.num_leaves > 1 else "leaf"
-        return _BASE_LATENCY_US["tree"][proto] + 2 * (
-            (per_node - 1) * self._step_latency_us("tree", proto, "island")
-            + math.log2(span.num_nodes) * self._step_latency_us("tree", proto, outer)
+        return _BASE_LATENCY_S["tree"][proto] + 2 * (
+            (per_node - 1) * self._step_latency_s("tree", proto, "island")
+            + math.log2(span.num_nodes) * self._step_latency_s("tree", proto, outer)
         )
 
     def _best(self, algorithm: str, options: list[tuple[int, float, dict[str, float], float]],
               bytes_by_level: dict[str, float]) -> CollectivePlan:
         best = None
-        for proto, latency_us, demands, factor in options:
+        for proto, latency_s, demands, factor in options:
             scaled = {lvl: b / factor for lvl, b in demands.items()}
             bw_time = max((b / self.bandwidth(lvl) for lvl, b in scaled.items()), default=0.0)
-            total = latency_us * 1e-6 + bw_time
+            total = latency_s + bw_time
             if best is None or total < best.isolated_time_s:
-                best = CollectivePlan(algorithm, PROTOCOLS[proto], latency_us * 1e-6,
-                                      dict(bytes_by_level), scaled, total)
+                best = CollectivePlan(algorithm, PROTOCOLS[proto], latency_s, dict(bytes_by_level), scaled, total)
         assert best is not None
         return best
 
@@ -159,9 +156,9 @@ class CollectiveModel:
         n = span.num_ranks
         if kind == "send_recv":
             level = pair_level or "island"
-            latency_us = _BASE_LATENCY_US["ring"][2] + self._step_latency_us("ring", 2, level)
+            latency_s = _BASE_LATENCY_S["ring"][2] + self._step_latency_s("ring", 2, level)
             demands = {level: size}
-            return self._best("p2p", [(2, latency_us, demands, 1.0)], demands)
+            return self._best("p2p", [(2, latency_s, demands, 1.0)], demands)
         if n <= 1 or size <= 0:
             return CollectivePlan("none", "none", 0.0, {}, {}, 0.0)
         if kind == "all_to_all":
@@ -174,15 +171,15 @@ class CollectiveModel:
             if span.num_leaves > 1:
                 demands["spine"] = per_peer * (n - n / span.num_leaves)
             demands = {k: v for k, v in demands.items() if v > 0}
-            latency_us = _BASE_LATENCY_US["ring"][2] + self._step_latency_us("ring", 2, _outermost(span))
-            return self._best("pairwise", [(2, latency_us, demands, 1.0)], demands)
+            latency_s = _BASE_LATENCY_S["ring"][2] + self._step_latency_s("ring", 2, _outermost(span))
+            return self._best("pairwise", [(2, latency_s, demands, 1.0)], demands)
 
         passes = 2 if kind == "all_reduce" else 1
         volume = passes * (n - 1) / n * size
         ring = _ring_split(volume, span)
         ring_plan = self._best(
             "ring",
-            [(p, self._ring_latency_us(span, p, passes), ring, _RING_PROTOCOL_BW[p]) for p in range(3)],
+            [(p, self._ring_latency_s(span, p, passes), ring, _RING_PROTOCOL_BW[p]) for p in range(3)],
             ring,
         )
         if kind != "all_reduce" or span.num_nodes == 1:
@@ -196,7 +193,7 @@ class CollectiveModel:
             tree["spine"] = 2 * size / per_node
         tree_plan = self._best(
             "tree",
-            [(p, self._tree_latency_us(span, p), tree, _TREE_BW * _TREE_PROTOCOL_BW[p]) for p in range(3)],
+            [(p, self._tree_latency_s(span, p), tree, _TREE_BW * _TREE_PROTOCOL_BW[p]) for p in range(3)],
             tree,
         )
         return tree_plan if tree_plan.isolated_time_s < ring_plan.isolated_time_s else ring_plan

@@ -19,17 +19,24 @@ from hzpsim.cluster.devices import Device
 from hzpsim.ops import Op
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Efficiency:
     """Achieved fraction of peak per kernel class on one device, with its source."""
 
-    gemm: float  # large dense GEMM, fraction of the dense peak of the GEMM dtype (bf16/fp16)
-    attention_forward: float  # flash-attention forward kernel (bf16)
-    attention_backward: float  # flash-attention backward kernel (bf16)
-    hbm: float  # streaming kernels, fraction of the HBM bandwidth
+    gemm: float
+    """Large dense GEMM, fraction of the dense peak of the GEMM dtype (bf16/fp16)."""
+    attention_forward: float
+    """Flash-attention forward kernel (bf16), fraction of the dense peak."""
+    attention_backward: float
+    """Flash-attention backward kernel (bf16), fraction of the dense peak."""
+    hbm: float
+    """Streaming (memory-bound) kernels, fraction of the HBM bandwidth."""
     source: str
-    comm_overlap_slowdown: float = 0.0  # compute runs 1/(1 + this) as fast while the rank communicates
-    gemm_fp8: float | None = None  # large fp8 GEMM, fraction of the fp8 peak (None: no fp8 units)
+    """Where the fractions come from (docs/hardware-constants.md)."""
+    comm_overlap_slowdown: float = 0.0
+    """Compute runs 1/(1 + this) as fast while the rank communicates (SM contention)."""
+    gemm_fp8: float | None = None
+    """Large fp8 GEMM, fraction of the fp8 peak (None: no fp8 units)."""
 
 
 # docs/hardware-constants.md §1 (GEMM: stas00/ml-engineering "Maximum Achievable Matmul FLOPS"),
@@ -37,25 +44,31 @@ class Efficiency:
 # reach 335 TF/s forward+backward = 0.34 of peak per the FA2 blog / FA3 abstract), §4 (HBM:
 # ~0.87-0.90), §6 (NCCL kernels slow overlapped compute by 18.9 % on average, Lee et al. 2025,
 # arXiv 2507.03114).
-_FA2_A100 = (0.73, 0.63)  # Dao 2023 §1: up to 73 % forward, 63 % backward of peak
-_FA2_H100 = (0.34, 0.34)  # FA2 on H100: 335 TF/s forward+backward, "only 35 % utilization"
+_FA2_A100 = {"attention_forward": 0.73, "attention_backward": 0.63}  # Dao 2023 §1: up to 73 % fwd, 63 % bwd
+_FA2_H100 = {"attention_forward": 0.34, "attention_backward": 0.34}  # FA2 on H100: 335 TF/s, "only 35 %"
 _SM_CONTENTION = 0.189  # measured average compute slowdown while NCCL collectives overlap it
+_A100_SOURCE = "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %"
 EFFICIENCY: dict[str, Efficiency] = {
-    "a100-40gb": Efficiency(0.869, *_FA2_A100, 0.87, "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %",
-                            _SM_CONTENTION),
-    "a100-80gb": Efficiency(0.869, *_FA2_A100, 0.87, "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %",
-                            _SM_CONTENTION),
-    "h100-sxm": Efficiency(0.803, *_FA2_H100, 0.90, "MAMF H100 SXM 794/989 TF (fp8 1403/1979); FA2 on H100; "
-                           "FlashMLA H800 3000/3350 GB/s", _SM_CONTENTION, gemm_fp8=0.709),
-    "h200": Efficiency(0.803, *_FA2_H100, 0.90, "MAMF: 'H200 is the same' as H100 (fp8 1453/1979); FA2 on H100",
-                       _SM_CONTENTION, gemm_fp8=0.734),
-    "mi250x": Efficiency(0.767, *_FA2_A100, 0.87, "MAMF MI250X GCD 147/191.5 TF; FA2-class kernels [INF]",
-                         _SM_CONTENTION),
-    "v100": Efficiency(0.85, 0.60, 0.50, 0.87, "[INF] V100 PCIe ~90 % (forum); no flash kernels on V100",
-                       _SM_CONTENTION),
-    "npu-910b": Efficiency(0.80, 0.60, 0.50, 0.87, "[INF] H100-class fractions; 910B peak not sourced",
-                           _SM_CONTENTION),
-    "cpu-local": Efficiency(1.0, 1.0, 1.0, 1.0, "peaks are this machine's measured rates"),
+    "a100-40gb": Efficiency(gemm=0.869, **_FA2_A100, hbm=0.87, source=_A100_SOURCE,
+                            comm_overlap_slowdown=_SM_CONTENTION),
+    "a100-80gb": Efficiency(gemm=0.869, **_FA2_A100, hbm=0.87, source=_A100_SOURCE,
+                            comm_overlap_slowdown=_SM_CONTENTION),
+    "h100-sxm": Efficiency(gemm=0.803, **_FA2_H100, hbm=0.90,
+                           source="MAMF H100 SXM 794/989 TF (fp8 1403/1979); FA2 on H100; FlashMLA H800 3000/3350 GB/s",
+                           comm_overlap_slowdown=_SM_CONTENTION, gemm_fp8=0.709),
+    "h200": Efficiency(gemm=0.803, **_FA2_H100, hbm=0.90,
+                       source="MAMF: 'H200 is the same' as H100 (fp8 1453/1979); FA2 on H100",
+                       comm_overlap_slowdown=_SM_CONTENTION, gemm_fp8=0.734),
+    "mi250x": Efficiency(gemm=0.767, **_FA2_A100, hbm=0.87, source="MAMF MI250X GCD 147/191.5 TF; FA2-class kernels [INF]",
+                         comm_overlap_slowdown=_SM_CONTENTION),
+    "v100": Efficiency(gemm=0.85, attention_forward=0.60, attention_backward=0.50, hbm=0.87,
+                       source="[INF] V100 PCIe ~90 % (forum); no flash kernels on V100",
+                       comm_overlap_slowdown=_SM_CONTENTION),
+    "npu-910b": Efficiency(gemm=0.80, attention_forward=0.60, attention_backward=0.50, hbm=0.87,
+                           source="[INF] H100-class fractions; 910B peak not sourced",
+                           comm_overlap_slowdown=_SM_CONTENTION),
+    "cpu-local": Efficiency(gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0,
+                            source="peaks are this machine's measured rates"),
 }
 
 

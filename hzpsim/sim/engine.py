@@ -166,9 +166,8 @@ class Engine:
 
     def _talk(self, op: Op, delta: int) -> None:
         """A collective starts (+1) or ends (-1) on its ranks: re-time their running compute."""
-        senders = op.ranks[:1] if op.collective == "send_recv" else op.ranks
         now = self.env.now
-        for rank in senders:
+        for rank in op.senders:
             before = self._rate(rank)
             self._talking[rank] += delta
             after = self._rate(rank)
@@ -206,7 +205,7 @@ class Engine:
         if not plan.demand_by_level:
             self._finish(op)
             return
-        senders = op.ranks[:1] if op.collective == "send_recv" else op.ranks
+        senders = op.senders
         pending = [len(senders)]
 
         def one_finished() -> None:

@@ -52,4 +52,4 @@ class Work:
 def optimizer_bytes_per_param(training: Training) -> float:
     """HBM bytes an Adam step moves per parameter of its shard [INF, from the update rule]:
     reads fp32 master, m, v and the gradient; writes master, m, v and the working copy."""
-    return 3 * 4 + training.grad_bytes + 3 * 4 + training.param_bytes
+    return 3 * 4 + training.grad_element_bytes + 3 * 4 + training.param_element_bytes

@@ -134,8 +134,8 @@ class Schedule:
     fixed_buffers: bool = False  # gather/scatter buffers pre-allocated once (AsyncHZP) instead of per use
     hierarchical_gather: int = 1  # MiCS: inner (intra-node) size of a two-hop all-gather; 1 = one flat ring
     backward_gather_size: int = 0  # ZeRO++ hpZ: backward gathers from a secondary shard of this size; 0 = off
-    forward_gather_bytes: float = 0.0  # ZeRO++ qwZ: bytes per parameter in forward gathers; 0 = working dtype
-    grad_reduce_bytes: float = 0.0  # ZeRO++ qgZ: bytes per gradient element reduced; 0 = grad dtype
+    forward_gather_bytes_per_element: float = 0.0  # ZeRO++ qwZ: bytes per parameter in forward gathers; 0 = working dtype
+    grad_reduce_bytes_per_element: float = 0.0  # ZeRO++ qgZ: bytes per gradient element reduced; 0 = grad dtype
     streams: tuple[tuple[str, str], ...] = (("ag", "ag"), ("rs", "rs"), ("dp", "dp"))
 
     def __post_init__(self) -> None:
@@ -147,7 +147,7 @@ class Schedule:
             raise ValueError(f"hierarchical_gather: must be >= 1, got {self.hierarchical_gather}")
         if self.backward_gather_size < 0:
             raise ValueError(f"hpz_partition_size: must be >= 1, got {self.backward_gather_size}")
-        for name in ("forward_gather_bytes", "grad_reduce_bytes"):
+        for name in ("forward_gather_bytes_per_element", "grad_reduce_bytes_per_element"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0 bytes per element")
 
@@ -224,7 +224,7 @@ class ShardedParams:
         self.params = list(unit_params)
         self.names = [f"{tag}{n}" for n in unit_names]
         self.tag = tag
-        self.bw, self.bg = training.param_bytes, training.grad_bytes
+        self.param_element_bytes, self.grad_element_bytes = training.param_element_bytes, training.grad_element_bytes
         p, g, o = sharding.param_size, sharding.grad_size, sharding.optim_size
         self.p, self.g, self.o = p, g, o
         self.replicas = sharding.dp_size // o
@@ -239,24 +239,24 @@ class ShardedParams:
             for role in ("param", "grad", "step_rs", "replica", "step_ag", "param_inner", "param_outer", "secondary")
             if role in ("param", "grad", "step_rs", "replica", "step_ag") or inner[role] > 1
         }
-        self.gather_bytes = {"fwd": schedule.forward_gather_bytes or self.bw, "bwd": self.bw}
-        self.reduce_bytes = schedule.grad_reduce_bytes or self.bg
+        self.gather_element_bytes = {"fwd": schedule.forward_gather_bytes_per_element or self.param_element_bytes, "bwd": self.param_element_bytes}
+        self.reduce_element_bytes = schedule.grad_reduce_bytes_per_element or self.grad_element_bytes
         largest = max(self.params, default=0.0)
-        static = {"params": self.total * self.bw / p, "grads": self.total * self.bg / g,
+        static = {"params": self.total * self.param_element_bytes / p, "grads": self.total * self.grad_element_bytes / g,
                   "optimizer": 12.0 * self.total / o}
         if schedule.backward_gather_size and p > 1:  # hpZ keeps a secondary (intra-node) shard
-            static["params"] += self.total * self.bw / schedule.backward_gather_size
+            static["params"] += self.total * self.param_element_bytes / schedule.backward_gather_size
         # Gather and gradient buffers: a fixed ring allocated once, or allocated per use, in
         # which case PyTorch's caching allocator keeps a freed block in the pool of the stream
         # that used it, so each allocating communication stream strands about one unit's
         # buffer that the compute stream cannot reuse (FSDP2 documents this "inter-stream
         # fragmentation"; the block count is our estimate [INF]).
-        gather_slots = (schedule.prefetch_depth + 1) * largest * self.bw if p > 1 else 0.0
-        scatter_slots = schedule.reduce_buffers * largest * self.bg if g > 1 else 0.0
+        gather_slots = (schedule.prefetch_depth + 1) * largest * self.param_element_bytes if p > 1 else 0.0
+        scatter_slots = schedule.reduce_buffers * largest * self.grad_element_bytes if g > 1 else 0.0
         if schedule.fixed_buffers:
             static["buffers"] = gather_slots + scatter_slots
         else:
-            static["other"] = (largest * self.bw if p > 1 else 0.0) + (largest * self.bg if g > 1 else 0.0)
+            static["other"] = (largest * self.param_element_bytes if p > 1 else 0.0) + (largest * self.grad_element_bytes if g > 1 else 0.0)
         self.dynamic_buffers = not schedule.fixed_buffers
         for lane in emit.lanes:
             emit.graph.add_static(lane, static)
@@ -296,8 +296,8 @@ class ShardedParams:
     def _gather(self, u: int, phase: str, label: str, deps: list[Ids | None], step: int) -> Ids:
         """All-gather one unit: flat, two-hop (MiCS) or from the secondary shard (hpZ bwd)."""
         schedule, stream = self.schedule, self.schedule.stream("ag")
-        size = self.params[u] * self.gather_bytes[phase]
-        buffer = self.params[u] * self.bw if self.dynamic_buffers else 0.0
+        size = self.params[u] * self.gather_element_bytes[phase]
+        buffer = self.params[u] * self.param_element_bytes if self.dynamic_buffers else 0.0
         if phase == "bwd" and schedule.backward_gather_size:
             return self.emit.collective("all_gather", self.instances["secondary"], size, f"ag.bwd.{label}",
                                         "param_gather", stream, deps, step, alloc=buffer)
@@ -326,7 +326,7 @@ class ShardedParams:
     def forward_free(self, u: int) -> float:
         """Gather-buffer bytes the forward of ``u`` frees when it ends."""
         if self.dynamic_buffers and self.p > 1 and self.params[u] and self.schedule.reshard_after_forward:
-            return self.params[u] * self.bw
+            return self.params[u] * self.param_element_bytes
         return 0.0
 
     def forward_done(self, step: int, mb: int, u: int, ids: Ids) -> None:
@@ -345,11 +345,11 @@ class ShardedParams:
 
     def backward_alloc(self, u: int) -> float:
         """Full-unit gradient buffer bytes taken by the backward of ``u`` (until its reduce)."""
-        return self.params[u] * self.bg if self.g > 1 and self.dynamic_buffers else 0.0
+        return self.params[u] * self.grad_element_bytes if self.g > 1 and self.dynamic_buffers else 0.0
 
     def backward_free(self, u: int) -> float:
         """Gather-buffer bytes the backward of ``u`` frees when it ends."""
-        return self.params[u] * self.bw if self.p > 1 and self.dynamic_buffers else 0.0
+        return self.params[u] * self.param_element_bytes if self.p > 1 and self.dynamic_buffers else 0.0
 
     def backward_done(self, step: int, mb: int, u: int, ids: Ids, last_mb: bool) -> None:
         if self.p > 1 and self.params[u] and self.schedule.reshard_after_forward:
@@ -359,7 +359,7 @@ class ShardedParams:
         done = ids
         if self.g > 1 and self.params[u]:
             done = self.emit.collective(
-                "reduce_scatter", self.instances["grad"], self.params[u] * self.reduce_bytes,
+                "reduce_scatter", self.instances["grad"], self.params[u] * self.reduce_element_bytes,
                 f"rs.{self.names[u]}.mb{mb}", "grad_reduce", self.schedule.stream("rs"), [ids], step,
                 free=self.backward_alloc(u),
             )
@@ -375,12 +375,12 @@ class ShardedParams:
             done = self.final_grads[u]
             if self.params[u] and self.o > self.g:
                 done = self.emit.collective(
-                    "reduce_scatter", self.instances["step_rs"], self.params[u] / self.g * self.bg,
+                    "reduce_scatter", self.instances["step_rs"], self.params[u] / self.g * self.grad_element_bytes,
                     f"rs_step.{self.names[u]}", "grad_reduce", self.schedule.stream("dp"), [done, wait], step,
                 )
             if self.params[u] and self.replicas > 1:
                 done = self.emit.collective(
-                    "all_reduce", self.instances["replica"], self.params[u] / self.o * self.bg,
+                    "all_reduce", self.instances["replica"], self.params[u] / self.o * self.grad_element_bytes,
                     f"ar.{self.names[u]}", "grad_reduce", self.schedule.stream("dp"), [done, wait], step,
                 )
             reduced.append(done)
@@ -396,7 +396,7 @@ class ShardedParams:
         for u, name in enumerate(self.names):
             if self.params[u] and self.o > self.p:
                 gathered.append(self.emit.collective(
-                    "all_gather", self.instances["step_ag"], self.params[u] / self.p * self.bw,
+                    "all_gather", self.instances["step_ag"], self.params[u] / self.p * self.param_element_bytes,
                     f"ag_step.{name}", "param_gather", self.schedule.stream("dp"), [optimizer], step,
                 ))
                 self.params_ready[u] = gathered[-1]

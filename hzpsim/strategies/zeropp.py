@@ -40,8 +40,8 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     schedule = Schedule(
         prefetch_depth=config.prefetch_depth,
         backward_gather_size=hpz if hpz > 1 else 0,
-        forward_gather_bytes=1.0 if config.quantized_weights else 0.0,
-        grad_reduce_bytes=0.5 if config.quantized_gradients else 0.0,
+        forward_gather_bytes_per_element=1.0 if config.quantized_weights else 0.0,
+        grad_reduce_bytes_per_element=0.5 if config.quantized_gradients else 0.0,
     )
     return _family.FamilyPlan(param_size=n, grad_size=n, optim_size=n, schedule=schedule)
 

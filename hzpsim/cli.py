@@ -144,7 +144,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if what == "strategies":
         for name in strategies.available():
             plugin = strategies.get(name)
-            summary = (plugin.__doc__ or "").strip().splitlines()[0]
+            summary = ((plugin.__doc__ or "").strip().splitlines() or ["(no module docstring)"])[0]
             print(f"{name}: {summary}")
             for f in dataclasses.fields(plugin.Config):
                 default = f.default if f.default is not dataclasses.MISSING else "required"

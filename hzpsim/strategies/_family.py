@@ -15,12 +15,14 @@ ranks with tp = 1 is g neighbouring devices (an island, a node).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from hzpsim.cluster.placement import Placement, expert_placement
 from hzpsim.cluster.topology import Topology
 from hzpsim.model import Model
 from hzpsim.ops import OpGraph
+from hzpsim.strategies import compose_label
 from hzpsim.strategies._dims import NO_MODEL_PARALLELISM, ParallelDims
 from hzpsim.strategies._model_parallel import UnitPass, mp_units
 from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, flat_uses, grad_norm
@@ -130,3 +132,20 @@ def delegates(plan_of):
         return build(plan_of(config, topology), model, training, topology, expand)
 
     return check_member, build_member
+
+
+def one_group_member(plan_of, key: str, short: str):
+    """``check``, ``build``, ``resolve`` and ``label`` of a member whose one group-size field
+    ``key`` (``None`` = its default) sets the param group: resolve fills the default in, the
+    label shows it as ``short=``."""
+    check_member, build_member = delegates(plan_of)
+
+    def resolve(config, topology: Topology):
+        """The config as simulated: the default group size filled in."""
+        return dataclasses.replace(config, **{key: plan_of(config, topology).param_size})
+
+    def label(resolved: dict) -> str:
+        """A short name for tables."""
+        return compose_label(resolved, {key: short})
+
+    return check_member, build_member, resolve, label

@@ -11,11 +11,10 @@ Run with::
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family, compose_label
+from hzpsim.strategies import _family
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -40,14 +39,4 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
                               keys=("shard_group_size",) * 3)
 
 
-check, build = _family.delegates(plan)
-
-
-def resolve(config: Config, topology: Topology) -> Config:
-    """The config as simulated: the default shard group size filled in."""
-    return dataclasses.replace(config, shard_group_size=plan(config, topology).param_size)
-
-
-def label(resolved: dict) -> str:
-    """A short name for tables."""
-    return compose_label(resolved, {"shard_group_size": "g"})
+check, build, resolve, label = _family.one_group_member(plan, "shard_group_size", "g")

@@ -331,6 +331,61 @@ class Model:
             + self.moe.num_shared_experts * self.shared_expert_params()
         )
 
+    def layer_tensors(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Parameter tensors of layer ``i`` in forward order, as (dense, expert) element counts;
+        they add up to ``layer_params(i)``. Naming follows the usual model code: GPT-style
+        (GELU) layers fuse Q, K and V into one weight as Megatron does; Llama-style (SwiGLU)
+        layers keep q, k, v, gate and up separate as Hugging Face does. MLA counts its
+        projections as one tensor. Frameworks that gather or reduce per tensor (DeepSpeed)
+        issue one collective per entry."""
+        h, ffn_bias = self.hidden_size, self.linear_bias
+        norm = [h] * (2 if self.norm_bias else 1)
+        dense: list[int] = list(norm)
+        if self.mla is not None:
+            dense.append(self.attention_params())
+        else:
+            d, a, kv = self.head_dim_resolved, self.num_heads, self.kv_heads
+            if self.mlp == "gelu":
+                dense.append(h * (a * d + 2 * kv * d))
+                dense += [a * d + 2 * kv * d] if ffn_bias else []
+            else:
+                dense += [h * a * d, h * kv * d, h * kv * d]
+                dense += [a * d, kv * d, kv * d] if ffn_bias else []
+            dense.append(a * d * h)
+            dense += [h] if ffn_bias else []
+        dense += norm
+        expert: list[int] = []
+
+        def mlp(ffn: int) -> list[int]:
+            ups = 2 if self.mlp == "swiglu" else 1
+            out = [h * ffn] * ups + ([ffn] * ups if ffn_bias else []) + [ffn * h]
+            return out + ([h] if ffn_bias else [])
+
+        if not self.is_moe_layer(i):
+            dense += mlp(self.ffn_hidden_size)
+        else:
+            assert self.moe is not None
+            dense.append(self.router_params())
+            for _ in range(self.moe.num_shared_experts):
+                dense += mlp(self.moe.shared_ffn_resolved)
+            for _ in range(self.moe.num_experts):
+                expert += mlp(self.moe.expert_ffn_hidden_size)
+        return tuple(dense), tuple(expert)
+
+    def layer_kernels_forward(self, i: int, flash_attention: bool = True) -> int:
+        """Kernels an eager forward of layer ``i`` launches [INF, counted from the usual model
+        code]: one per GEMM weight, two norms, two residual adds, the dropouts, RoPE, the
+        activation function, and attention (one flash kernel; unfused: two batched GEMMs,
+        scale+mask, softmax, dropout); an MoE layer adds the router, its softmax/top-k and
+        the token permute and un-permute (the experts' GEMMs are counted per weight)."""
+        dense, expert = self.layer_tensors(i)
+        gemms = sum(1 for t in dense + expert if t >= self.hidden_size * 2)
+        kernels = gemms + 2 + 2 + (3 if self.dropout else 0) + (1 if self.position_embedding == "rope" else 0) + 1
+        kernels += 1 if flash_attention else 5
+        if self.is_moe_layer(i):
+            kernels += 4
+        return kernels
+
     def layer_params(self, i: int) -> int:
         """All parameters of layer ``i``: attention, norms, MLP or router + all experts (elements)."""
         return self.attention_params() + self.norm_params_per_layer() + self._ffn_params(i, False)

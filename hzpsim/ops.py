@@ -3,7 +3,10 @@
 Strategies build OpGraphs; the engine replays them without knowing which strategy made them.
 
 - A **compute** op runs on one rank's stream and carries FLOPs by efficiency class
-  (``gemm``, ``attention``, ...) plus the bytes it moves through device memory (roofline).
+  (``gemm``, ``attention``, ...) plus the bytes it moves through device memory (roofline),
+  plus an optional fixed ``duration_s``. Host work (the CPU thread that launches kernels and
+  collectives, and waits in synchronisations) is ordinary compute ops with a fixed duration on
+  a ``host`` stream; a device op that depends on its launch cannot start before it.
 - A **collective** op is ONE node spanning its group: ``group`` names the full set of real ranks
   whose placement sets the cost; ``ranks`` are the simulated participants that must all reach
   it (the rendezvous). Under symmetry a 1,024-rank all-gather may have a single participant.
@@ -36,6 +39,7 @@ COLLECTIVE = "collective"
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
 STEP_END_CATEGORY = "optimizer"  # the op category that closes an optimizer step (see above)
+HOST_STREAM = "host"  # the stream of host-thread work (launches, list-form views, synchronisations)
 
 MemoryDelta = tuple[tuple[str, float], ...]
 
@@ -85,6 +89,7 @@ class Op:
         "free",
         "step",
         "count",
+        "duration_s",
     )
 
     def __init__(
@@ -105,6 +110,7 @@ class Op:
         free: MemoryDelta = (),
         step: int = 0,
         count: int = 1,
+        duration_s: float = 0.0,
     ) -> None:
         self.id = id
         self.kind = kind
@@ -122,6 +128,7 @@ class Op:
         self.free = free
         self.step = step
         self.count = count  # a collective repeated back to back (e.g. a layer's two TP all-reduces)
+        self.duration_s = duration_s  # fixed time added to a compute op's rate-based time (host work)
 
     @property
     def senders(self) -> tuple[int, ...]:
@@ -194,7 +201,10 @@ class OpGraph:
         alloc: Mapping[str, float] | None = None,
         free: Mapping[str, float] | None = None,
         step: int = 0,
+        duration_s: float = 0.0,
     ) -> int:
+        """A compute op on ``rank``'s ``stream``: FLOPs by class and HBM bytes, timed by the
+        device's rates, plus a fixed ``duration_s`` (host work: launches, Python, syncs)."""
         op = Op(
             len(self.ops),
             COMPUTE,
@@ -208,6 +218,7 @@ class OpGraph:
             alloc=_delta(alloc),
             free=_delta(free),
             step=step,
+            duration_s=float(duration_s),
         )
         self.ops.append(op)
         return op.id

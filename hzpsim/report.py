@@ -24,7 +24,7 @@ from typing import Any
 
 from hzpsim.cluster.topology import INTRA_NODE_LEVELS
 from hzpsim.model import Model
-from hzpsim.ops import COMPUTE, MEMORY_CATEGORIES, STEP_END_CATEGORY, GraphError, Op
+from hzpsim.ops import COMPUTE, HOST_STREAM, MEMORY_CATEGORIES, STEP_END_CATEGORY, GraphError, Op
 from hzpsim.sim.engine import Trace
 from hzpsim.training import Training
 
@@ -131,7 +131,7 @@ def overlap(trace: Trace, ops: list[Op], window: tuple[float, float]) -> tuple[f
     comm: list[tuple[float, float]] = []
     for op in ops:
         start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
-        if end <= start:
+        if end <= start or op.stream == HOST_STREAM:  # only device compute hides communication
             continue
         (compute if op.kind == COMPUTE else comm).append((start, end))
     busy, talking = _union(compute), _union(comm)
@@ -223,13 +223,18 @@ def time_breakdown(trace: Trace, ops: list[Op], window: tuple[float, float]) -> 
     """Where one rank's step goes, instant by instant: ``compute.<category>`` while it computes
     (forward, backward, optimizer ...), ``exposed.<category>`` while it only communicates
     (param_gather, grad_reduce, tp, pp, cp, ep ...; shared equally among the categories in
-    flight), ``idle`` while it waits on other ranks (the pipeline bubble). Sums to the step."""
+    flight), ``host`` while only the host thread works (launching, building list-form views,
+    waiting in a synchronisation), ``idle`` while it waits on other ranks (the pipeline
+    bubble). Sums to the step."""
     lo, hi = window
     edges: list[tuple[float, int, str]] = []  # (time, +1/-1, key)
     for op in ops:
         start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
         if end > start:
-            key = ("compute." if op.kind == COMPUTE else "exposed.") + op.category
+            if op.stream == HOST_STREAM:
+                key = "host"
+            else:
+                key = ("compute." if op.kind == COMPUTE else "exposed.") + op.category
             edges += [(start, 1, key), (end, -1, key)]
     edges.sort()
     active: dict[str, int] = {}
@@ -239,7 +244,8 @@ def time_breakdown(trace: Trace, ops: list[Op], window: tuple[float, float]) -> 
         if time > last:
             busy = [k for k, v in active.items() if v > 0]
             computing = [k for k in busy if k.startswith("compute.")]
-            share = computing or busy or ["idle"]
+            talking = [k for k in busy if k.startswith("exposed.")]
+            share = computing or talking or busy or ["idle"]
             for k in share:
                 out[k] = out.get(k, 0.0) + (time - last) / len(share)
             last = time

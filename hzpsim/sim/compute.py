@@ -98,7 +98,7 @@ class ComputeModel:
         self._hbm_bytes_per_s = device.memory_bytes_per_s * eff.hbm
 
     def duration_s(self, op: Op) -> float:
-        seconds = op.bytes_accessed / self._hbm_bytes_per_s
+        seconds = op.duration_s + op.bytes_accessed / self._hbm_bytes_per_s
         for kind, flops in op.flops:
             seconds += flops / self._rate[kind]
         return seconds

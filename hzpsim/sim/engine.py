@@ -128,7 +128,7 @@ class Engine:
                 self.start_s[op.id] = self.env.now
                 if op.alloc:
                     self._memory(op, op.alloc, 1.0)
-                if self.slowdown:
+                if self.slowdown and (op.flops or op.bytes_accessed):  # fixed (host) time is not slowed
                     yield self._start_slowable(op)
                 else:
                     yield self.env.timeout(self.compute_model.duration_s(op))

@@ -77,6 +77,15 @@ class MPUnit:
     """Activation this unit hands to the next pipeline stage."""
     is_moe: bool = False
     """An MoE layer (its MLP talks through the expert dispatcher)."""
+    tensors: tuple[float, ...] = ()
+    """Dense parameter tensors on this rank (elements each, forward order): what a framework
+    that gathers or reduces per tensor issues one collective for."""
+    expert_tensors: tuple[float, ...] = ()
+    """Expert parameter tensors on this rank."""
+    kernels_forward: float = 0.0
+    """Eager kernels the forward launches (host launch cost)."""
+    kernels_backward: float = 0.0
+    """Eager kernels the backward launches, the recompute included."""
 
 
 def _split(work: Work, fraction: float) -> tuple[Work, Work]:
@@ -102,6 +111,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
     units.append(MPUnit(
         name="embed", dense_params=model.embedding_params() / t, pre=lookup, backward=lookup.scaled(2),
         activation_bytes=0.0, tp_bytes=tp_bytes, tp_count_forward=1 if t > 1 else 0, p2p_bytes=p2p_bytes,
+        tensors=(model.embedding_params() / t,), kernels_forward=1, kernels_backward=2,
     ))
     kv_per_rank = max(model.kv_heads / t, 1.0)
     for i in range(model.num_layers):
@@ -168,12 +178,20 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         backward_remote = Work(0.0, remote_recompute, 2 * attn_remote.attention_forward, 0.0)
         cp_bytes = c * 2 * (model.seq_len / c) * b * kv_per_rank * model.head_dim_resolved * act if c > 1 else 0.0
         tp_count = (1 if moe else 2) if t > 1 else 0
+        dense_tensors, expert_tensors = model.layer_tensors(i)
+        kernels = model.layer_kernels_forward(i, training.flash_attention)
+        local_experts = expert_tensors[: len(expert_tensors) // deg.ep] if expert_tensors else ()
         units.append(MPUnit(
             name=f"layer{i}", dense_params=dense_params, expert_params=expert_params, pre=pre, remote=attn_remote,
             post=post, backward=backward, backward_remote=backward_remote, activation_bytes=kept,
             recompute_bytes=max(stored - kept, 0.0) if mode != "none" else 0.0, tp_bytes=tp_bytes,
-            tp_count_forward=tp_count, tp_count_backward=tp_count, cp_bytes=cp_bytes, ep_bytes=ep_bytes,
-            p2p_bytes=p2p_bytes, is_moe=moe,
+            # the full recompute reruns the forward, its TP collectives included (Megatron
+            # mpu.checkpoint / CheckpointFunction re-enters RowParallelLinear's all-reduce)
+            tp_count_forward=tp_count, tp_count_backward=tp_count * (2 if mode == "full" else 1),
+            cp_bytes=cp_bytes, ep_bytes=ep_bytes, p2p_bytes=p2p_bytes, is_moe=moe,
+            tensors=tuple(x if x == h else x / t for x in dense_tensors),
+            expert_tensors=tuple(x / deg.etp for x in local_experts),
+            kernels_forward=kernels, kernels_backward=kernels * (3 if mode == "full" else 2),
         ))
     head_gemm = model.head_forward_flops(tokens) / (t * c)
     # The loss, kernel by kernel per logit [INF]: the GEMM writes bf16 logits (2 bytes), the
@@ -185,6 +203,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         pre=Work(gemm=head_gemm, bytes_accessed=16 * elements),
         backward=Work(gemm=2 * head_gemm, bytes_accessed=14 * elements), activation_bytes=4 * elements,
         tp_bytes=tp_bytes, tp_count_backward=1 if t > 1 else 0, p2p_bytes=p2p_bytes,
+        tensors=((model.head_params() / t) + model.final_norm_params(),), kernels_forward=4, kernels_backward=4,
     ))
     return units
 
@@ -211,6 +230,7 @@ def merge_units(units: Sequence[MPUnit]) -> MPUnit:
         recompute_bytes=max(u.recompute_bytes for u in units), tp_bytes=tp_bytes,
         tp_count_forward=sum(u.tp_count_forward for u in units),
         tp_count_backward=sum(u.tp_count_backward for u in units), p2p_bytes=units[-1].p2p_bytes,
+        kernels_forward=sum(u.kernels_forward for u in units), kernels_backward=sum(u.kernels_backward for u in units),
     )
 
 
@@ -243,11 +263,11 @@ class UnitEmitter:
         emit = self.emit
         if not unit.cp_bytes and not (unit.is_moe and unit.ep_bytes):  # one op, TP after it
             last: Ids = emit.compute(f"fwd.{label}", "forward", unit.pre + unit.post, deps, step,
-                                     alloc=alloc, free=free)
+                                     alloc=alloc, free=free, kernels=unit.kernels_forward)
             return self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
         has_post = bool(unit.post)
         last = emit.compute(f"fwd.{label}", "forward", unit.pre, deps, step, alloc=alloc,
-                            free=None if (has_post or unit.cp_bytes) else free)
+                            free=None if (has_post or unit.cp_bytes) else free, kernels=unit.kernels_forward)
         if unit.cp_bytes:
             ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.fwd.{label}", "cp", "cp",
                                    deps, step)
@@ -276,7 +296,7 @@ class UnitEmitter:
             ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.bwd.{label}", "cp", "cp",
                                    deps, step, count=2)
         main = emit.compute(f"bwd.{label}", "backward", unit.backward, start, step, alloc=alloc,
-                            free=None if unit.cp_bytes else free)
+                            free=None if unit.cp_bytes else free, kernels=unit.kernels_backward)
         last: Ids = main
         if unit.cp_bytes:
             last = emit.compute(f"bwd.remote.{label}", "backward", unit.backward_remote, [main, ring], step, free=free)
@@ -311,17 +331,29 @@ class UnitPass:
         first = lambda group: group[0]  # noqa: E731  (groups are sorted)
         dense_groups = tuple(sorted({placement.group(("dp", "cp"), r) for r in emit.lanes}, key=first))
         self.sharded = [ShardedParams(emit, [u.dense_params for u in units], names, training,
-                                      NestedSharding(*sizes(len(dense_groups[0])), dense_groups), schedule, uses)]
+                                      NestedSharding(*sizes(len(dense_groups[0])), dense_groups), schedule, uses,
+                                      unit_tensors=[u.tensors or (u.dense_params,) for u in units])]
         if any(u.expert_params for u in units):
             expert_groups = tuple(sorted({experts.group("edp", r) for r in emit.lanes}, key=first))
             self.sharded.append(ShardedParams(
                 emit, [u.expert_params for u in units], names, training,
                 NestedSharding(*sizes(len(expert_groups[0])), expert_groups), schedule, uses, tag="experts.",
+                unit_tensors=[u.expert_tensors or (u.expert_params,) for u in units],
             ))
+
+    def _copies(self, unit: MPUnit, index: int, phase: str, step: int, deps: list[Ids | None]) -> list[Ids | None]:
+        """The implementation's device copies around the gathers (FSDP2 copy-out), as one
+        memory-bound op before the unit's compute."""
+        copied = sum(s.copy_bytes(index, phase) for s in self.sharded)
+        if not copied:
+            return deps
+        return [self.unit_emit.emit.compute(f"copy.{phase}.{unit.name}", "forward" if phase == "fwd" else "backward",
+                                            Work(bytes_accessed=copied), deps, step, kernels=1)]
 
     def forward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
         """Forward of ``unit`` (the ``index``-th of the schedule's units) after ``incoming``."""
         deps = [incoming, *(d for s in self.sharded for d in s.forward_deps(step, mb, index))]
+        deps = self._copies(unit, index, "fwd", step, deps)
         released = sum(s.forward_free(index) for s in self.sharded)
         last = self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", deps, step, {"activations": unit.activation_bytes},
                                       {"buffers": released} if released else None)
@@ -331,6 +363,7 @@ class UnitPass:
 
     def backward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
         deps = [incoming, *(d for s in self.sharded for d in s.backward_deps(step, mb, index))]
+        deps = self._copies(unit, index, "bwd", step, deps)
         alloc = {"activations": unit.recompute_bytes, "buffers": sum(s.backward_alloc(index) for s in self.sharded)}
         free = {"activations": unit.activation_bytes + unit.recompute_bytes,
                 "buffers": sum(s.backward_free(index) for s in self.sharded)}

@@ -29,7 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hzpsim.ops import OpGraph, Ranks
+from hzpsim.ops import HOST_STREAM, OpGraph, Ranks
+from hzpsim.strategies._implementations import IDEAL, Implementation
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
 from hzpsim.training import Training
 
@@ -137,6 +138,17 @@ class Schedule:
     forward_gather_bytes_per_element: float = 0.0  # ZeRO++ qwZ: bytes per parameter in forward gathers; 0 = working dtype
     grad_reduce_bytes_per_element: float = 0.0  # ZeRO++ qgZ: bytes per gradient element reduced; 0 = grad dtype
     streams: tuple[tuple[str, str], ...] = (("ag", "ag"), ("rs", "rs"), ("dp", "dp"))
+    implementation: Implementation = IDEAL  # how the framework issues the collectives (_implementations)
+
+    @property
+    def effective_prefetch_depth(self) -> int:
+        """Gathers in flight ahead of use: the knob, capped by what the framework allows."""
+        return min(self.prefetch_depth, self.implementation.max_prefetch_depth)
+
+    @property
+    def effective_overlap_grad_reduce(self) -> bool:
+        forced = self.implementation.grad_reduce_overlap
+        return self.overlap_grad_reduce if forced is None else forced
 
     def __post_init__(self) -> None:
         if not 0 <= self.prefetch_depth <= MAX_PREFETCH_DEPTH:
@@ -156,12 +168,28 @@ class Schedule:
 
 
 class Emitter:
-    """Creates ops for a set of lanes: one compute op per lane, one collective per group."""
+    """Creates ops for a set of lanes: one compute op per lane, one collective per group.
 
-    def __init__(self, graph: OpGraph, lanes: Sequence[int]) -> None:
+    With an implementation that models the host thread, every device op is preceded by a host
+    op on the lane's ``host`` stream that launches it (kernel launches, the collective call, the
+    list-form views and copies), and a ``sync`` makes that host op wait for device ops first
+    (``torch.cuda.synchronize()``, ``stream.synchronize()``)."""
+
+    def __init__(self, graph: OpGraph, lanes: Sequence[int], implementation: Implementation = IDEAL) -> None:
         self.graph = graph
         self.lanes = list(lanes)
         self._lane_set = set(lanes)
+        self.implementation = implementation
+        self.last_compute: Ids = {}  # the latest device compute op of each lane, in program order
+
+    def host(self, name: str, seconds: float, step: int, sync: Sequence[Ids | None] = ()) -> Ids | None:
+        """A host op per lane taking ``seconds`` after the device ops in ``sync`` ended (None
+        when the implementation has no host thread, or there is nothing to wait or pay for)."""
+        if not self.implementation.host or (seconds <= 0 and not any(sync)):
+            return None
+        return {lane: self.graph.compute(lane, f"host.{name}", "host", {}, [d.get(lane) for d in sync if d],
+                                         stream=HOST_STREAM, step=step, duration_s=seconds)
+                for lane in self.lanes}
 
     def groups_for(self, group_of, size: int) -> list[tuple[str, tuple[int, ...]]]:
         """Register the groups (``group_of(lane) -> (name, members)``) holding the lanes."""
@@ -182,7 +210,12 @@ class Emitter:
 
     def collective(self, kind: str, instances: list[tuple[str, tuple[int, ...]]], size: float, name: str,
                    category: str, stream: str, deps: Sequence[Ids | None], step: int,
-                   alloc: float = 0.0, free: float = 0.0, count: int = 1) -> Ids:
+                   alloc: float = 0.0, free: float = 0.0, count: int = 1, sync: Sequence[Ids | None] = ()) -> Ids:
+        """``count`` calls of ``size`` bytes each, back to back, launched by one host op."""
+        if instances:
+            group_size = len(self.graph.groups[instances[0][0]])
+            launch = self.host(f"call.{name}", self.implementation.call_host_s(count, group_size), step, sync)
+            deps = [*deps, launch]
         ids: Ids = {}
         for group, participants in instances:
             dep_ids = [d[lane] for d in deps if d for lane in participants if lane in d]
@@ -196,14 +229,19 @@ class Emitter:
         return ids
 
     def compute(self, name: str, category: str, work: Work, deps: Sequence[Ids | None], step: int,
-                alloc: dict[str, float] | None = None, free: dict[str, float] | None = None) -> Ids:
-        return {
+                alloc: dict[str, float] | None = None, free: dict[str, float] | None = None,
+                kernels: float = 0.0) -> Ids:
+        """One device op per lane, launched by a host op that dispatches ``kernels`` kernels."""
+        launch = self.host(f"launch.{name}", self.implementation.launch_s(kernels), step)
+        ids = {
             lane: self.graph.compute(
-                lane, name, category, work.flops(), [d.get(lane) for d in deps if d],
+                lane, name, category, work.flops(), [d.get(lane) for d in [*deps, launch] if d],
                 bytes_accessed=work.bytes_accessed, alloc=alloc, free=free, step=step,
             )
             for lane in self.lanes
         }
+        self.last_compute = ids
+        return ids
 
 
 Use = tuple[int, int, str, int]  # (step, micro-batch, "fwd" | "bwd", unit) in order of use
@@ -219,9 +257,27 @@ class ShardedParams:
 
     def __init__(self, emit: Emitter, unit_params: Sequence[float], unit_names: Sequence[str],
                  training: Training, sharding: NestedSharding, schedule: Schedule,
-                 uses: Sequence[Use], tag: str = "") -> None:
+                 uses: Sequence[Use], tag: str = "", unit_tensors: Sequence[Sequence[float]] | None = None) -> None:
         self.emit, self.training, self.sharding, self.schedule = emit, training, sharding, schedule
         self.params = list(unit_params)
+        # the tensors of each unit (elements): the implementation's collective calls per pass
+        impl = schedule.implementation
+        tensors = [tuple(t) for t in unit_tensors] if unit_tensors is not None else [(x,) for x in self.params]
+        full_recompute = training.activation_recompute == "full"
+        self.gather_calls = [impl.gather_calls(t) for t in tensors]
+        again = [impl.backward_gathered(t, full_recompute) for t in tensors]
+        recompute_gathers = full_recompute and impl.regather_for_recompute
+        # the backward's gather(s): the recompute forward's, then what the backward gathers again
+        self.backward_gather_calls = [
+            (self.gather_calls[u] if recompute_gathers else 0) + impl.gather_calls(again[u])
+            for u in range(len(tensors))
+        ]
+        self.backward_gather_share = [
+            ((1.0 if recompute_gathers else 0.0) + sum(again[u]) / max(sum(impl.gathered(tensors[u])), 1e-30))
+            if impl.gathered(tensors[u]) else 1.0
+            for u in range(len(tensors))
+        ]
+        self.reduce_calls = [max(impl.reduce_calls(t), 1) for t in tensors]
         self.names = [f"{tag}{n}" for n in unit_names]
         self.tag = tag
         self.param_element_bytes, self.grad_element_bytes = training.param_element_bytes, training.grad_element_bytes
@@ -251,7 +307,7 @@ class ShardedParams:
         # that used it, so each allocating communication stream strands about one unit's
         # buffer that the compute stream cannot reuse (FSDP2 documents this "inter-stream
         # fragmentation"; the block count is our estimate [INF]).
-        gather_slots = (schedule.prefetch_depth + 1) * largest * self.param_element_bytes if p > 1 else 0.0
+        gather_slots = (schedule.effective_prefetch_depth + 1) * largest * self.param_element_bytes if p > 1 else 0.0
         scatter_slots = schedule.reduce_buffers * largest * self.grad_element_bytes if g > 1 else 0.0
         if schedule.fixed_buffers:
             static["buffers"] = gather_slots + scatter_slots
@@ -280,7 +336,7 @@ class ShardedParams:
     # ------------------------------------------------------------------ gathers
 
     def _issue_gathers(self) -> None:
-        depth = self.schedule.prefetch_depth
+        depth = self.schedule.effective_prefetch_depth
         while self.next_gather < len(self.gathers):
             index = self.next_gather
             step, mb, phase, u = self.gathers[index]
@@ -294,22 +350,39 @@ class ShardedParams:
             self.next_gather += 1
 
     def _gather(self, u: int, phase: str, label: str, deps: list[Ids | None], step: int) -> Ids:
-        """All-gather one unit: flat, two-hop (MiCS) or from the secondary shard (hpZ bwd)."""
+        """All-gather one unit: flat, two-hop (MiCS) or from the secondary shard (hpZ bwd), in
+        as many calls as the implementation issues (``count``; each call 1/count of the bytes).
+        The backward's gather also carries the recompute forward's re-gathers (DeepSpeed)."""
         schedule, stream = self.schedule, self.schedule.stream("ag")
-        size = self.params[u] * self.gather_element_bytes[phase]
+        calls = self.gather_calls[u] if phase == "fwd" else self.backward_gather_calls[u]
+        share = 1.0 if phase == "fwd" else self.backward_gather_share[u]
+        size = self.params[u] * self.gather_element_bytes[phase] * share / max(calls, 1)
+        count = max(calls, 1)
         buffer = self.params[u] * self.param_element_bytes if self.dynamic_buffers else 0.0
+        sync = [self.emit.last_compute] if schedule.implementation.sync_before_gather else []
         if phase == "bwd" and schedule.backward_gather_size:
             return self.emit.collective("all_gather", self.instances["secondary"], size, f"ag.bwd.{label}",
-                                        "param_gather", stream, deps, step, alloc=buffer)
+                                        "param_gather", stream, deps, step, alloc=buffer, count=count, sync=sync)
         if schedule.hierarchical_gather > 1:
             inner = schedule.hierarchical_gather
             outer = self.emit.collective("all_gather", self.instances["param_outer"], size / inner,
                                          f"ag.{phase}.outer.{label}", "param_gather", stream, deps, step,
-                                         alloc=buffer)
+                                         alloc=buffer, count=count, sync=sync)
             return self.emit.collective("all_gather", self.instances["param_inner"], size,
-                                        f"ag.{phase}.inner.{label}", "param_gather", stream, [outer], step)
+                                        f"ag.{phase}.inner.{label}", "param_gather", stream, [outer], step,
+                                        count=count)
         return self.emit.collective("all_gather", self.instances["param"], size, f"ag.{phase}.{label}",
-                                    "param_gather", stream, deps, step, alloc=buffer)
+                                    "param_gather", stream, deps, step, alloc=buffer, count=count, sync=sync)
+
+    def copy_bytes(self, u: int, phase: str) -> float:
+        """HBM bytes of the device copies around unit ``u``'s gather (read + write), 0 when the
+        implementation makes none or nothing is gathered."""
+        factor = self.schedule.implementation.copy_bytes_per_gathered_byte
+        if not factor or self.p == 1 or not self.params[u]:
+            return 0.0
+        if phase == "bwd" and not self.schedule.reshard_after_forward:
+            return 0.0
+        return 2.0 * factor * self.params[u] * self.param_element_bytes
 
     def _gather_for(self, use: Use) -> Ids | None:
         step, mb, phase, u = use
@@ -358,10 +431,12 @@ class ShardedParams:
             self._issue_gathers()
         done = ids
         if self.g > 1 and self.params[u]:
+            calls = self.reduce_calls[u]
+            sync = self.scatters[-1:] if self.schedule.implementation.sync_after_reduce else []
             done = self.emit.collective(
-                "reduce_scatter", self.instances["grad"], self.params[u] * self.reduce_element_bytes,
+                "reduce_scatter", self.instances["grad"], self.params[u] * self.reduce_element_bytes / calls,
                 f"rs.{self.names[u]}.mb{mb}", "grad_reduce", self.schedule.stream("rs"), [ids], step,
-                free=self.backward_alloc(u),
+                free=self.backward_alloc(u), count=calls, sync=sync,
             )
             self.scatters.append(done)
         if last_mb:
@@ -369,19 +444,32 @@ class ShardedParams:
 
     def reduce_step(self, step: int, end_of_backward: Ids) -> list[Ids]:
         """Step-end reductions per unit (overlapping the backward unless told otherwise)."""
-        wait = None if self.schedule.overlap_grad_reduce else end_of_backward
+        wait = None if self.schedule.effective_overlap_grad_reduce else end_of_backward
         reduced: list[Ids] = []
+        stream = self.schedule.stream("dp")
+        if self.schedule.implementation.whole_buffer_step_reduce and self.o == self.g and self.replicas > 1:
+            # one all-reduce of the whole contiguous gradient buffer after the backward
+            units = [u for u in sorted(self.final_grads, reverse=True) if self.params[u]]
+            total = sum(self.params[u] for u in units)
+            done = self.emit.collective(
+                "all_reduce", self.instances["replica"], total / self.o * self.grad_element_bytes,
+                f"ar.{self.tag}buffer", "grad_reduce", stream, [*(self.final_grads[u] for u in units), wait], step,
+            )
+            self.final_grads = {}
+            return [done]
         for u in sorted(self.final_grads, reverse=True):
             done = self.final_grads[u]
+            calls = self.reduce_calls[u]
             if self.params[u] and self.o > self.g:
                 done = self.emit.collective(
-                    "reduce_scatter", self.instances["step_rs"], self.params[u] / self.g * self.grad_element_bytes,
-                    f"rs_step.{self.names[u]}", "grad_reduce", self.schedule.stream("dp"), [done, wait], step,
+                    "reduce_scatter", self.instances["step_rs"],
+                    self.params[u] / self.g * self.grad_element_bytes / calls,
+                    f"rs_step.{self.names[u]}", "grad_reduce", stream, [done, wait], step, count=calls,
                 )
             if self.params[u] and self.replicas > 1:
                 done = self.emit.collective(
-                    "all_reduce", self.instances["replica"], self.params[u] / self.o * self.grad_element_bytes,
-                    f"ar.{self.names[u]}", "grad_reduce", self.schedule.stream("dp"), [done, wait], step,
+                    "all_reduce", self.instances["replica"], self.params[u] / self.o * self.grad_element_bytes / calls,
+                    f"ar.{self.names[u]}", "grad_reduce", stream, [done, wait], step, count=calls,
                 )
             reduced.append(done)
         self.final_grads = {}
@@ -395,9 +483,10 @@ class ShardedParams:
         gathered: list[Ids] = []
         for u, name in enumerate(self.names):
             if self.params[u] and self.o > self.p:
+                calls = self.reduce_calls[u]  # the parameter buffer has the gradient buffer's buckets
                 gathered.append(self.emit.collective(
-                    "all_gather", self.instances["step_ag"], self.params[u] / self.p * self.param_element_bytes,
-                    f"ag_step.{name}", "param_gather", self.schedule.stream("dp"), [optimizer], step,
+                    "all_gather", self.instances["step_ag"], self.params[u] / self.p * self.param_element_bytes / calls,
+                    f"ag_step.{name}", "param_gather", self.schedule.stream("dp"), [optimizer], step, count=calls,
                 ))
                 self.params_ready[u] = gathered[-1]
             else:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from hzpsim.cluster.topology import Topology
 from hzpsim.model import Model
-from hzpsim.strategies import _family, compose_label
+from hzpsim.strategies import _family, _implementations, compose_label
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._sharded import Schedule
 from hzpsim.training import Training
@@ -48,8 +48,10 @@ class Config:
     ep: int = 1  # expert-parallel size (MoE)
     sequence_parallel: bool = False  # with tp
     moe_imbalance: float = 1.0  # busiest expert rank's load over the mean
+    implementation: str = "reference"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:
+        _implementations.get(self.implementation)
         for name in ("param_group_size", "grad_group_size", "optim_group_size"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -88,6 +90,7 @@ def schedule(config: Config) -> Schedule:
         reduce_buffers=config.reduce_buffers,
         fixed_buffers=config.async_,
         streams=_family.async_streams(config.async_),
+        implementation=_implementations.get(config.implementation),
     )
 
 

@@ -13,18 +13,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family
+from hzpsim.strategies import _family, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
 @dataclass(frozen=True)
 class Config:
     overlap_grad_reduce: bool = True  # all-reduce buckets as the last backward produces them
+    implementation: str = "ddp"  # how the framework runs it (strategies/_implementations.py)
+
+    def validate(self) -> None:
+        _implementations.get(self.implementation)
 
 
 def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     return _family.FamilyPlan(param_size=1, grad_size=1, optim_size=1,
-                              schedule=Schedule(overlap_grad_reduce=config.overlap_grad_reduce))
+                              schedule=Schedule(overlap_grad_reduce=config.overlap_grad_reduce,
+                                                implementation=_implementations.get(config.implementation)))
 
 
 check, build = _family.delegates(plan)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family
+from hzpsim.strategies import _family, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -22,15 +22,18 @@ class Config:
     shard_group_size: int | None = None  # ranks sharing one full copy of the model states; None = one node
     prefetch_depth: int = 1  # all-gathers in flight ahead of use
     reshard_after_forward: bool = True  # gather again for the backward
+    implementation: str = "fsdp2"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:
+        _implementations.get(self.implementation)
         if self.shard_group_size is not None and self.shard_group_size < 1:
             raise ValueError("shard_group_size: must be >= 1")
 
 
 def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     g = config.shard_group_size or _family.level_group_sizes(topology)["node"]
-    schedule = Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=config.reshard_after_forward)
+    schedule = Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=config.reshard_after_forward,
+                        implementation=_implementations.get(config.implementation))
     return _family.FamilyPlan(param_size=g, grad_size=g, optim_size=g, schedule=schedule,
                               keys=("shard_group_size",) * 3)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family
+from hzpsim.strategies import _family, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -24,8 +24,10 @@ class Config:
     outer_optim_sharding: bool = True  # outer_dp_sharding_strategy=optim (HFSDP); false = HSDP
     double_buffer: bool = False  # fsdp_double_buffer: persistent pre-allocated gather buffers
     prefetch_depth: int = 1  # all-gathers in flight ahead of use
+    implementation: str = "megatron-core"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:
+        _implementations.get(self.implementation)
         if self.shard_group_size is not None and self.shard_group_size < 1:
             raise ValueError("shard_group_size: must be >= 1")
 
@@ -34,7 +36,8 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     levels = _family.level_group_sizes(topology)
     g = config.shard_group_size or levels["node"]
     o = levels["all"] if config.outer_optim_sharding else g
-    schedule = Schedule(prefetch_depth=config.prefetch_depth, fixed_buffers=config.double_buffer)
+    schedule = Schedule(prefetch_depth=config.prefetch_depth, fixed_buffers=config.double_buffer,
+                        implementation=_implementations.get(config.implementation))
     return _family.FamilyPlan(param_size=g, grad_size=g, optim_size=o, schedule=schedule,
                               keys=("shard_group_size",) * 3)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family
+from hzpsim.strategies import _family, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -24,8 +24,10 @@ class Config:
     partition_size: int | None = None  # ranks of one partition group (DeepSpeed mics_shard_size); None = one node
     hierarchical_params_gather: bool = False  # two-hop all-gather when the group spans nodes
     prefetch_depth: int = 1  # all-gathers in flight ahead of use
+    implementation: str = "deepspeed"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:
+        _implementations.get(self.implementation)
         if self.partition_size is not None and self.partition_size < 1:
             raise ValueError("partition_size: must be >= 1")
 
@@ -34,7 +36,8 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     levels = _family.level_group_sizes(topology)
     p = config.partition_size or levels["node"]
     inner = levels["node"] if config.hierarchical_params_gather and p > levels["node"] else 1
-    schedule = Schedule(prefetch_depth=config.prefetch_depth, hierarchical_gather=inner)
+    schedule = Schedule(prefetch_depth=config.prefetch_depth, hierarchical_gather=inner,
+                        implementation=_implementations.get(config.implementation))
     return _family.FamilyPlan(param_size=p, grad_size=p, optim_size=p, schedule=schedule,
                               keys=("partition_size",) * 3)
 

@@ -23,7 +23,7 @@ from hzpsim.cluster.placement import Placement, expert_placement
 from hzpsim.cluster.topology import Topology
 from hzpsim.model import Model
 from hzpsim.ops import OpGraph
-from hzpsim.strategies import compose_label
+from hzpsim.strategies import _implementations, compose_label
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._model_parallel import MPUnit, UnitPass, merge_units, mp_units
 from hzpsim.strategies._sharded import Emitter, Ids, Schedule, Use, grad_norm
@@ -48,8 +48,10 @@ class Config:
     overlap_grad_reduce: bool = True  # bucketed gradient reduction overlaps the last backward
     overlap_param_gather: bool = True  # distributed optimizer's all-gather overlaps the next forward
     prefetch_depth: int = 1  # zero_stage 3: all-gathers in flight ahead of use
+    implementation: str = "megatron-core"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:
+        _implementations.get(self.implementation)
         dims(self)  # the degrees and the schedule check their own fields
         schedule(self)
 
@@ -63,7 +65,8 @@ def dims(config: Config) -> ParallelDims:
 def schedule(config: Config) -> Schedule:
     """Megatron's distributed-optimizer overlap flags; with zero_stage 3, FSDP's prefetch."""
     return Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=True,
-                    overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather)
+                    overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather,
+                    implementation=_implementations.get(config.implementation))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,7 +222,8 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
         reduced: list[Ids | None] = []
         for stage in stages:
             reduced += stage.unit_pass.reduce(step, stage.last)
-        norm = grad_norm(Emitter(graph, [r for lanes in stage_lanes for r in lanes]), range(n), reduced, step)
+        everyone = Emitter(graph, [r for lanes in stage_lanes for r in lanes], stages[0].emit.implementation)
+        norm = grad_norm(everyone, range(n), reduced, step)
         for stage in stages:
             stage.unit_pass.optimize(step, norm)
     return graph
@@ -238,7 +242,7 @@ class _Stage:
         self.chunks = [bounds[c * self.p + rank] for c in range(self.v)]  # unit indices per model chunk
         self.local = [u for chunk in self.chunks for u in chunk]
         self.index = {u: i for i, u in enumerate(self.local)}
-        self.emit = Emitter(graph, lanes)
+        self.emit = Emitter(graph, lanes, schedule.implementation)
         self.actions = pipeline_actions(self.p, self.v, self.m, rank)
         uses: list[Use] = []
         for step in range(training.num_steps):

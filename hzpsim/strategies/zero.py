@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family, compose_label
+from hzpsim.strategies import _family, _implementations, compose_label
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -33,8 +33,10 @@ class Config:
     reshard_after_forward: bool = True  # stage 3: free gathered parameters after the forward
     overlap_grad_reduce: bool = True  # stages 1/2: step-end reduction overlaps the backward
     overlap_param_gather: bool = False  # stages 1/2: next forward waits per unit (Megatron) or for all (DeepSpeed)
+    implementation: str = "deepspeed"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:
+        _implementations.get(self.implementation)
         schedule(self)  # the schedule checks its own fields
 
 
@@ -44,6 +46,7 @@ def schedule(config: Config) -> Schedule:
         reshard_after_forward=config.reshard_after_forward,
         overlap_grad_reduce=config.overlap_grad_reduce,
         overlap_param_gather=config.overlap_param_gather,
+        implementation=_implementations.get(config.implementation),
     )
 
 

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hzpsim.cluster.topology import Topology
-from hzpsim.strategies import _family, compose_label
+from hzpsim.strategies import _family, _implementations, compose_label
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -28,8 +28,10 @@ class Config:
     quantized_weights: bool = True  # qwZ: int8 forward all-gather
     quantized_gradients: bool = True  # qgZ: int4 gradient reduction
     prefetch_depth: int = 1  # all-gathers in flight ahead of use
+    implementation: str = "deepspeed"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:
+        _implementations.get(self.implementation)
         if self.hpz_partition_size is not None and self.hpz_partition_size < 1:
             raise ValueError("hpz_partition_size: must be >= 1")
 
@@ -42,6 +44,7 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
         backward_gather_size=hpz if hpz > 1 else 0,
         forward_gather_bytes_per_element=1.0 if config.quantized_weights else 0.0,
         grad_reduce_bytes_per_element=0.5 if config.quantized_gradients else 0.0,
+        implementation=_implementations.get(config.implementation),
     )
     return _family.FamilyPlan(param_size=n, grad_size=n, optim_size=n, schedule=schedule)
 

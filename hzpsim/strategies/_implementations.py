@@ -1,0 +1,235 @@
+"""Implementation profiles: how a real framework executes a strategy, as data.
+
+A strategy (ZeRO-3, HSDP, Megatron ND, ...) says *what* is sharded where; an implementation
+says *how the code people run issues it*: how many collective calls a unit's parameters and
+gradients take, whether the recompute forward gathers again, whether collectives are list-form
+(host work and device copies per rank of the group), where the CPU waits for the GPU, and what
+the host thread pays to launch each kernel and collective. Every strategy of the ZeRO family
+and ``nd`` has an ``implementation`` field naming one of :data:`IMPLEMENTATIONS`.
+
+Each profile cites the code it follows (read at the tag or commit given; the full reading notes
+are in ``docs/implementations.md``). ``ideal`` is the idealised model hzpsim used before
+profiles existed: one flat collective per unit, no host thread, kept for comparison.
+
+Host costs are priors with sources (``docs/hardware-constants.md`` §7); the calibration fits
+them. They are charged on a ``host`` stream per simulated rank (``hzpsim.ops``): a device op
+cannot start before the host op that launches it, and a synchronisation is a host op that
+waits for device ops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Granularity = Literal["unit", "tensor", "bucket"]
+
+# -- host-cost priors (docs/hardware-constants.md §7) -------------------------------------------
+#: Host time to dispatch one eager PyTorch kernel (Python + ATen dispatch + cudaLaunchKernel):
+#: eager PyTorch tops out near 280,000 ops/s on tiny tensors, ~3.5 us per op (H. He, "Making
+#: Deep Learning Go Brrrr", 2022). Plausible range 2-10 us.
+KERNEL_LAUNCH_S = 3.5e-6
+#: Host time of one flat collective call through c10d (Python, ProcessGroupNCCL, NCCL enqueue):
+#: ~10 us on the fast path, ~45 us on the old coalescing path (pytorch PR #98793).
+COLLECTIVE_CALL_S = 10e-6
+COLLECTIVE_CALL_2021_S = 45e-6
+#: Host time per rank of the group for a list-form collective: one tensor view built in Python
+#: and one device copy launched per rank (ProcessGroupNCCL copies each of the N chunks back
+#: after a list-form all_gather; reduce_scatter copies N chunks in). DeepSpeed #1069 (2021)
+#: measured ~380 us of pre-launch + launch per per-parameter gather at N = 8. Plausible range
+#: 3-40 us; the calibration fits it.
+LIST_FORM_PER_RANK_S = 8e-6
+
+
+@dataclass(frozen=True, kw_only=True)
+class Implementation:
+    """How one framework issues a sharded data-parallel strategy."""
+
+    name: str
+    source: str
+    """The framework code this profile follows (repo@tag:path::function)."""
+    gather: Granularity = "unit"
+    """Parameter all-gather calls: one per unit (FlatParameter / FSDP2 param group), one per
+    parameter tensor at least ``persistence_elements`` large, or one per bucket of at least
+    ``gather_bucket_elements``."""
+    gather_bucket_elements: float = 0.0
+    persistence_elements: float = 0.0
+    """Tensors smaller than this stay gathered for the whole step (DeepSpeed
+    ``stage3_param_persistence_threshold``); 0 = none."""
+    regather_for_recompute: bool = False
+    """The recompute forward fires the gather hooks again (DeepSpeed) instead of the
+    pre-backward gather serving it (FSDP1/FSDP2)."""
+    max_reuse_elements: float = math.inf
+    """With ``regather_for_recompute``: the backward re-gathers a tensor only if more than
+    this many parameter elements are visited between its recompute and its backward
+    (DeepSpeed ``stage3_max_reuse_distance``); inf = always re-gather."""
+    reduce: Granularity = "unit"
+    """Gradient reduce-scatter calls: per unit, per tensor, or per bucket of at least
+    ``reduce_bucket_elements``."""
+    reduce_bucket_elements: float = 0.0
+    list_form: bool = False
+    """Collectives take/return a list of N tensors: host work and a device copy per rank."""
+    sync_before_gather: bool = False
+    """The host waits for the device (``torch.cuda.synchronize()``) before each gather, so a
+    gather never overlaps compute that came before it."""
+    sync_after_reduce: bool = False
+    """The host waits for each gradient reduction before launching more work."""
+    copy_bytes_per_gathered_byte: float = 0.0
+    """Device copies around a gather (FSDP2 copy-in of the shard and copy-out of the unit)."""
+    max_prefetch_depth: int = 8
+    """Gathers the framework keeps in flight ahead of use, at most (caps ``prefetch_depth``)."""
+    grad_reduce_overlap: bool | None = None
+    """Gradient reduction overlaps the backward (None: the strategy's own flag)."""
+    whole_buffer_step_reduce: bool = False
+    """The step-end data-parallel reduction is one all-reduce of the whole gradient buffer
+    (Megatron 2021's ``allreduce_gradients``), not one per unit or bucket."""
+    collective_call_s: float = COLLECTIVE_CALL_S
+    kernel_launch_s: float = KERNEL_LAUNCH_S
+    host: bool = True
+    """Model the host thread at all (False: ``ideal``)."""
+
+    # -- counts -------------------------------------------------------------------------------
+
+    def gathered(self, tensors: Sequence[float]) -> list[float]:
+        """The tensors a pass gathers (persistent ones stay resident)."""
+        return [t for t in tensors if t >= self.persistence_elements and t > 0]
+
+    def gather_calls(self, tensors: Sequence[float]) -> int:
+        """Collective calls to gather one pass of a unit holding ``tensors`` (elements each)."""
+        gathered = self.gathered(tensors)
+        if not gathered:
+            return 0
+        if self.gather == "tensor":
+            return len(gathered)
+        if self.gather == "bucket":
+            return buckets(gathered, self.gather_bucket_elements)
+        return 1
+
+    def backward_gathered(self, tensors: Sequence[float], recompute: bool) -> list[float]:
+        """Tensors gathered again for the backward after the recompute forward gathered them:
+        those visited more than ``max_reuse_elements`` elements before their backward (the
+        recompute runs the unit forward, then the backward walks it in reverse, so tensor j's
+        distance is twice the elements of the tensors after it)."""
+        gathered = self.gathered(tensors)
+        if not (recompute and self.regather_for_recompute):
+            return gathered
+        return [t for j, t in enumerate(gathered) if 2 * sum(gathered[j + 1:]) >= self.max_reuse_elements]
+
+    def reduce_calls(self, tensors: Sequence[float]) -> int:
+        """Collective calls to reduce one unit's gradients."""
+        present = [t for t in tensors if t > 0]
+        if not present:
+            return 0
+        if self.reduce == "tensor":
+            return len(present)
+        if self.reduce == "bucket":
+            return buckets(present[::-1], self.reduce_bucket_elements)  # gradients arrive in reverse
+        return 1
+
+    def call_host_s(self, calls: int, group_size: int) -> float:
+        """Host time to issue ``calls`` collective calls over ``group_size`` ranks."""
+        if not self.host or calls == 0:
+            return 0.0
+        per_call = self.collective_call_s + (LIST_FORM_PER_RANK_S * group_size if self.list_form else 0.0)
+        return calls * per_call
+
+    def launch_s(self, kernels: float) -> float:
+        """Host time to launch ``kernels`` eager kernels."""
+        return kernels * self.kernel_launch_s if self.host else 0.0
+
+
+def buckets(tensors: Sequence[float], bucket_elements: float) -> int:
+    """Buckets that whole tensors fill in order, each closed once it holds ``bucket_elements``
+    (DeepSpeed's prefetch batches, Megatron's ``_ParamAndGradBuffer`` bucket layout). A
+    trailing partial bucket is not counted on its own: in a real run it fills up with the
+    next unit's tensors. At least one."""
+    count, filled = 0, 0.0
+    for t in tensors:
+        filled += t
+        if filled >= bucket_elements:
+            count, filled = count + 1, 0.0
+    return max(count, 1)
+
+
+_DS = "microsoft/DeepSpeed"
+_PT = "pytorch/pytorch"
+_MEG = "NVIDIA/Megatron-LM"
+
+IMPLEMENTATIONS: dict[str, Implementation] = {
+    "ideal": Implementation(
+        name="ideal", host=False,
+        source="hzpsim's idealised model: one flat collective per unit, no host thread",
+    ),
+    "deepspeed-2021": Implementation(
+        name="deepspeed-2021", gather="tensor", persistence_elements=1e5, regather_for_recompute=True,
+        max_reuse_elements=1e9, reduce="tensor", list_form=True, sync_before_gather=True, sync_after_reduce=True,
+        max_prefetch_depth=0, copy_bytes_per_gathered_byte=1.0, collective_call_s=COLLECTIVE_CALL_2021_S,
+        source=f"{_DS}@v0.5.0:deepspeed/runtime/zero/partition_parameters.py::Init._allgather_param "
+               "(per-tensor list-form all_gather after torch.cuda.synchronize()), "
+               "stage3.py::PartitionedParameterCoordinator.fetch_sub_module, "
+               "partition_parameters.py::Init._reduce_scatter_gradients (per-tensor list-form reduce_scatter), "
+               "stage3.py::reduce_ipg_grads (reduction_stream.synchronize())",
+    ),
+    "deepspeed": Implementation(
+        name="deepspeed", gather="bucket", gather_bucket_elements=5e7, persistence_elements=1e5,
+        regather_for_recompute=True, max_reuse_elements=1e9, reduce="bucket", reduce_bucket_elements=5e8,
+        max_prefetch_depth=2, source=f"{_DS}@38327e07:deepspeed/runtime/zero/partitioned_param_coordinator.py::fetch_sub_module "
+               "(coalesced all_gather_into_tensor per prefetch batch of >= stage3_prefetch_bucket_size 5e7), "
+               "stage3.py::__reduce_and_partition_ipg_grads (reduce_scatter_tensor per 5e8-element bucket)",
+    ),
+    "fsdp1": Implementation(
+        name="fsdp1", max_prefetch_depth=1, source=f"{_PT}:torch/distributed/fsdp/_runtime_utils.py::_unshard "
+                             "(one all_gather_into_tensor per FlatParameter; pre-backward unshard serves the "
+                             "recompute), _post_backward_hook (one reduce_scatter_tensor per FlatParameter)",
+    ),
+    "fsdp2": Implementation(
+        name="fsdp2", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1,
+        source=f"{_PT}:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather, "
+               "foreach_all_gather_copy_out (split_with_sizes_copy of the whole unit), foreach_reduce; "
+               "_fsdp_state.py::FSDPState._pre_forward (no unshard during the recompute)",
+    ),
+    "reference": Implementation(
+        name="reference",
+        source="hzpsim's own AsyncHZP executor (hzpsim/executor): one flat all_gather_into_tensor and "
+               "reduce_scatter_tensor per unit from background threads into pre-allocated buffers",
+    ),
+    "megatron-2021": Implementation(
+        name="megatron-2021", collective_call_s=COLLECTIVE_CALL_2021_S, grad_reduce_overlap=False,
+        whole_buffer_step_reduce=True,
+        source=f"{_MEG}@v2.5:megatron/model/distributed.py::DistributedDataParallel.allreduce_gradients "
+               "(one all-reduce of the whole fp32 gradient buffer after the backward), "
+               "megatron/mpu/mappings.py (TP all-reduces, repeated by the recompute)",
+    ),
+    "megatron-core": Implementation(
+        name="megatron-core", reduce="bucket", reduce_bucket_elements=4e7,
+        source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
+               "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
+               "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward)",
+    ),
+    "torchtitan": Implementation(
+        name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1,
+        source="pytorch/torchtitan@v0.2.2:torchtitan/models/llama3/infra/parallelize.py::apply_fsdp, "
+               "apply_tp (FSDP2 per block + DTensor TP/SP)",
+    ),
+    "ddp": Implementation(
+        name="ddp", reduce="bucket", reduce_bucket_elements=25 * 2**20 / 4,
+        source=f"{_PT}:torch/csrc/distributed/c10d/reducer.hpp (25 MiB buckets, all_reduce per bucket, "
+               "overlapped with the backward)",
+    ),
+}
+
+#: What each strategy runs as unless its ``implementation`` says otherwise.
+DEFAULTS = {"zero": "deepspeed", "mics": "deepspeed", "zeropp": "deepspeed", "hsdp": "fsdp2",
+            "nd": "megatron-core", "megatron_fsdp": "megatron-core", "asynchzp": "reference", "ddp": "ddp"}
+
+
+IDEAL = IMPLEMENTATIONS["ideal"]
+
+
+def get(name: str) -> Implementation:
+    """The profile called ``name``; ValueError naming the known ones otherwise."""
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation: unknown '{name}' (known: {', '.join(sorted(IMPLEMENTATIONS))})")
+    return IMPLEMENTATIONS[name]

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hzpsim.cli import main
-from hzpsim.cluster.topology import ClusterSpec
+from hzpsim.cluster.topology import ClusterSpec, ResolvedCluster
 from hzpsim.config import ScenarioError
 from hzpsim.model import Model
 from hzpsim.scenario import _TOP_KEYS, load_scenario, parse_override, scenario_from_mapping
@@ -140,6 +140,15 @@ def test_cluster_overrides_win_over_preset():
     assert sc.cluster.intra_node_bytes_per_s == pytest.approx(123e9)
     assert sc.cluster.inter_node_bytes_per_s_per_device == pytest.approx(7e9)
     assert sc.cluster.intra_node_latency_s == pytest.approx(3.4e-6)  # still from the preset
+
+
+def test_cluster_is_resolved_at_load():
+    """The scenario holds the cluster with every field concrete (the preset applied once)."""
+    sc = load(base(cluster={"device": "npu-910b", "num_nodes": 2}, training={"global_batch_size": 32}))
+    assert isinstance(sc.cluster, ResolvedCluster)
+    assert all(getattr(sc.cluster, f.name) is not None for f in dataclasses.fields(ResolvedCluster))
+    assert sc.cluster.device_memory_bytes == 64e9  # the catalog's when not overridden
+    assert sc.topology.spec is sc.cluster
 
 
 def test_strategy_list_and_single():

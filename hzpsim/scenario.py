@@ -21,7 +21,7 @@ from hzpsim import strategies
 from hzpsim.cluster.topology import ClusterSpec, ResolvedCluster, Topology
 from hzpsim.config import ScenarioError, from_mapping, to_mapping
 from hzpsim.model import Model
-from hzpsim.presets import load_preset, read_yaml
+from hzpsim.presets import listing_once, load_preset, read_yaml
 from hzpsim.training import Training
 
 
@@ -172,7 +172,16 @@ def _strategy_choice(raw: Any, path: str) -> StrategyChoice:
 
 
 def scenario_from_mapping(raw: Any, overrides: Sequence[str] = (), source: str = "<mapping>") -> Scenario:
-    """Build and validate a Scenario from a plain mapping plus ``--set`` overrides."""
+    """Build and validate a Scenario from a plain mapping plus ``--set`` overrides.
+
+    Per load the preset folders are listed once, the cluster preset file is read once and
+    ``ClusterSpec.validate`` runs twice (the scenario's ``cluster`` mapping and that preset).
+    """
+    with listing_once():
+        return _scenario_from_mapping(raw, overrides, source)
+
+
+def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str) -> Scenario:
     if not isinstance(raw, Mapping):
         raise ScenarioError(f"{source}: a scenario must be a mapping")
     data = copy.deepcopy(dict(raw))

@@ -19,6 +19,7 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from hzpsim import presets
 from hzpsim.cli import main
 from hzpsim.cluster.topology import ClusterSpec, ResolvedCluster
 from hzpsim.config import ScenarioError
@@ -149,6 +150,51 @@ def test_cluster_is_resolved_at_load():
     assert all(getattr(sc.cluster, f.name) is not None for f in dataclasses.fields(ResolvedCluster))
     assert sc.cluster.device_memory_bytes == 64e9  # the catalog's when not overridden
     assert sc.topology.spec is sc.cluster
+
+
+def test_one_load_reads_presets_and_validates_a_fixed_number_of_times(monkeypatch, tmp_path):
+    """Per load of the default scenario: every preset folder is globbed once, every preset
+    file read once (the model's and the cluster's), ``ClusterSpec.validate`` runs twice (the
+    scenario's ``cluster`` mapping and the preset file it starts from)."""
+    (tmp_path / "topologies").mkdir()  # a user preset folder too: globbed once as well
+    monkeypatch.setenv("HZPSIM_CONFIG_DIR", str(tmp_path))
+    globbed: list[Path] = []
+    read: list[Path] = []
+    validated: list[ClusterSpec] = []
+    real_glob, real_read, real_validate = Path.glob, presets.read_yaml, ClusterSpec.validate
+
+    def glob(self, pattern, *args, **kwargs):
+        globbed.append(self)
+        return real_glob(self, pattern, *args, **kwargs)
+
+    def read_yaml(path):
+        read.append(path)
+        return real_read(path)
+
+    def validate(self):
+        validated.append(self)
+        return real_validate(self)
+
+    monkeypatch.setattr(Path, "glob", glob)
+    monkeypatch.setattr(presets, "read_yaml", read_yaml)
+    monkeypatch.setattr(ClusterSpec, "validate", validate)
+    for _ in range(2):  # each load looks at the folders afresh, and only once
+        for seen in (globbed, read, validated):
+            seen.clear()
+        assert load_scenario(None).topology.num_devices == 64
+        assert sorted(globbed) == sorted(presets.preset_dirs("topologies"))
+        assert [p.parent.name for p in read] == ["workloads", "topologies"]
+        assert [v.preset for v in validated] == ["dgx-h100", "dgx-h100"]
+
+
+def test_a_preset_added_between_loads_is_found(monkeypatch, tmp_path):
+    monkeypatch.setenv("HZPSIM_CONFIG_DIR", str(tmp_path))
+    scenario = base(cluster={"preset": "my-box"})
+    assert error_of(scenario).startswith("cluster.preset: unknown preset 'my-box'")
+    (tmp_path / "topologies").mkdir()
+    preset = yaml.safe_load((Path(__file__).parents[1] / "topologies" / "dgx-h100.yaml").read_text())
+    (tmp_path / "topologies" / "my-box.yaml").write_text(yaml.safe_dump(preset | {"preset": "my-box"}))
+    assert load(scenario).cluster.preset == "my-box"
 
 
 def test_strategy_list_and_single():

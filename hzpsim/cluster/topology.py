@@ -517,8 +517,11 @@ def build_topology(spec: ClusterSpec | ResolvedCluster) -> Topology:
     """The Topology of ``spec``; a ``ClusterSpec`` is validated and resolved against its preset
     first (the one step here that reads files), a ``ResolvedCluster`` is used as is."""
     if isinstance(spec, ClusterSpec):
-        spec.validate()
-        spec = spec.resolved()
+        from hzpsim.presets import listing_once
+
+        with listing_once():
+            spec.validate()
+            spec = spec.resolved()
     return Topology(spec)
 
 

@@ -56,6 +56,19 @@ def error_of(data: Any, *overrides: str) -> str:
 # --------------------------------------------------------------------------- presets
 
 
+def spy(monkeypatch, owner: Any, name: str) -> list[Any]:
+    """Calls of ``owner.name`` from now on, each by its first argument (``self`` for a method)."""
+    calls: list[Any] = []
+    real = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
+
+
 def test_model_preset_by_name():
     sc = load(base(model="llama2-70b"))
     m = sc.model
@@ -158,26 +171,9 @@ def test_one_load_reads_presets_and_validates_a_fixed_number_of_times(monkeypatc
     scenario's ``cluster`` mapping and the preset file it starts from)."""
     (tmp_path / "topologies").mkdir()  # a user preset folder too: globbed once as well
     monkeypatch.setenv("HZPSIM_CONFIG_DIR", str(tmp_path))
-    globbed: list[Path] = []
-    read: list[Path] = []
-    validated: list[ClusterSpec] = []
-    real_glob, real_read, real_validate = Path.glob, presets.read_yaml, ClusterSpec.validate
-
-    def glob(self, pattern, *args, **kwargs):
-        globbed.append(self)
-        return real_glob(self, pattern, *args, **kwargs)
-
-    def read_yaml(path):
-        read.append(path)
-        return real_read(path)
-
-    def validate(self):
-        validated.append(self)
-        return real_validate(self)
-
-    monkeypatch.setattr(Path, "glob", glob)
-    monkeypatch.setattr(presets, "read_yaml", read_yaml)
-    monkeypatch.setattr(ClusterSpec, "validate", validate)
+    globbed = spy(monkeypatch, Path, "glob")  # the folders
+    read = spy(monkeypatch, presets, "read_yaml")  # the files
+    validated = spy(monkeypatch, ClusterSpec, "validate")  # the specs
     for _ in range(2):  # each load looks at the folders afresh, and only once
         for seen in (globbed, read, validated):
             seen.clear()

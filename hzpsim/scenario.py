@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 from hzpsim import strategies
-from hzpsim.cluster.topology import ClusterSpec, Topology, build_topology
+from hzpsim.cluster.topology import ClusterSpec, ResolvedCluster, Topology
 from hzpsim.config import ScenarioError, from_mapping, to_mapping
 from hzpsim.model import Model
-from hzpsim.presets import load_preset, read_yaml
+from hzpsim.presets import listing_once, load_preset, read_yaml
 from hzpsim.training import Training
 
 
@@ -40,14 +40,14 @@ class StrategyChoice:
 class Scenario:
     model: Model
     training: Training
-    cluster: ClusterSpec
+    cluster: ResolvedCluster  # the scenario's ClusterSpec with the preset applied
     strategies: tuple[StrategyChoice, ...]
     source: str = "<mapping>"
 
     @functools.cached_property
     def topology(self) -> Topology:
         """Built once per scenario (the planner asks for it for every candidate)."""
-        return build_topology(self.cluster)
+        return Topology(self.cluster)
 
 
 DEFAULT_SCENARIO: dict[str, Any] = {
@@ -147,7 +147,7 @@ def _model_mapping(raw: Any) -> dict[str, Any]:
 
 def _cluster_mapping(raw: Any) -> dict[str, Any]:
     """A preset name becomes ``{preset: name}``; fields left out come from the preset (or the
-    device's usual fabric) when the topology is built (ClusterSpec.resolved)."""
+    device's usual fabric) when the scenario is loaded (ClusterSpec.resolved)."""
     if raw is None:
         raise ScenarioError("cluster: required (a preset name or a mapping)")
     if isinstance(raw, str):
@@ -172,7 +172,16 @@ def _strategy_choice(raw: Any, path: str) -> StrategyChoice:
 
 
 def scenario_from_mapping(raw: Any, overrides: Sequence[str] = (), source: str = "<mapping>") -> Scenario:
-    """Build and validate a Scenario from a plain mapping plus ``--set`` overrides."""
+    """Build and validate a Scenario from a plain mapping plus ``--set`` overrides.
+
+    Per load the preset folders are listed once, the cluster preset file is read once and
+    ``ClusterSpec.validate`` runs twice (the scenario's ``cluster`` mapping and that preset).
+    """
+    with listing_once():
+        return _scenario_from_mapping(raw, overrides, source)
+
+
+def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str) -> Scenario:
     if not isinstance(raw, Mapping):
         raise ScenarioError(f"{source}: a scenario must be a mapping")
     data = copy.deepcopy(dict(raw))
@@ -206,10 +215,10 @@ def scenario_from_mapping(raw: Any, overrides: Sequence[str] = (), source: str =
         raise ScenarioError("strategy: required (or a 'strategies' list)")
 
     try:
-        cluster = cluster.resolved()
+        resolved = cluster.resolved()
     except ValueError as exc:
         raise ScenarioError(f"cluster.{exc}") from None
-    scenario = Scenario(model, training, cluster, choices, source)
+    scenario = Scenario(model, training, resolved, choices, source)
     topology = scenario.topology
     try:
         topology.device.peak_flops_per_s(training.precision)

@@ -11,9 +11,11 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
+from hzpsim import presets
 from hzpsim.cluster.devices import DEVICES, get_device
 from hzpsim.cluster.placement import (
     Placement,
@@ -25,6 +27,8 @@ from hzpsim.cluster.placement import (
 from hzpsim.cluster.topology import (
     LEVELS,
     ClusterSpec,
+    ResolvedCluster,
+    Topology,
     build_topology,
     preset_names,
     preset_spec,
@@ -157,6 +161,44 @@ def test_device_only_spec_gets_usual_fabric():
         )
     )
     assert t.link("leaf").bytes_per_s == 25e9 and t.link("spine").bytes_per_s == 12.5e9
+
+
+def test_resolved_cluster_is_concrete_and_keeps_the_spec_field_names():
+    assert [f.name for f in fields(ResolvedCluster)] == [f.name for f in fields(ClusterSpec)]
+    for name in preset_names():
+        resolved = preset_spec(name).resolved()
+        assert all(getattr(resolved, f.name) is not None for f in fields(resolved)), name
+    # plain int / float whatever numbers the spec was built with (numpy, int for a rate)
+    r = ClusterSpec(preset="dgx-h100", num_nodes=np.int64(2), spine_oversubscription=2).resolved()
+    assert type(r.num_nodes) is int and type(r.spine_oversubscription) is float
+    assert r.device_memory_bytes == get_device("h100-sxm").memory_bytes
+
+
+def test_topology_constructor_reads_no_files(monkeypatch):
+    import builtins
+
+    import networkx  # noqa: F401  (imported before files are forbidden)
+
+    resolved = ClusterSpec(preset="hzp-npu", num_nodes=64).resolved()
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("Topology(...) touched the filesystem")
+
+    for name in ("list_presets", "load_preset", "read_yaml", "preset_dirs"):
+        monkeypatch.setattr(presets, name, forbidden)
+    for name in ("glob", "is_file", "is_dir", "exists", "open", "read_text", "stat"):
+        monkeypatch.setattr(Path, name, forbidden)
+    monkeypatch.setattr(builtins, "open", forbidden)
+    t = Topology(resolved)
+    assert t.num_devices == 1024 and t.spec.preset == "hzp-npu"
+    assert t.span(range(0, 1024, 16)).outermost_level == "spine"
+    assert t.link("node").bytes_per_s == 25e9
+    assert t.graph.number_of_nodes() > 1024
+
+
+def test_topology_needs_a_resolved_cluster():
+    with pytest.raises(TypeError, match="ResolvedCluster"):
+        Topology(ClusterSpec(preset="dgx-h100"))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

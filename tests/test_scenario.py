@@ -19,8 +19,9 @@ import yaml
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from hzpsim import presets
 from hzpsim.cli import main
-from hzpsim.cluster.topology import ClusterSpec
+from hzpsim.cluster.topology import ClusterSpec, ResolvedCluster
 from hzpsim.config import ScenarioError
 from hzpsim.model import Model
 from hzpsim.scenario import _TOP_KEYS, load_scenario, parse_override, scenario_from_mapping
@@ -53,6 +54,19 @@ def error_of(data: Any, *overrides: str) -> str:
 
 
 # --------------------------------------------------------------------------- presets
+
+
+def spy(monkeypatch, owner: Any, name: str) -> list[Any]:
+    """Calls of ``owner.name`` from now on, each by its first argument (``self`` for a method)."""
+    calls: list[Any] = []
+    real = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+    return calls
 
 
 def test_model_preset_by_name():
@@ -140,6 +154,43 @@ def test_cluster_overrides_win_over_preset():
     assert sc.cluster.intra_node_bytes_per_s == pytest.approx(123e9)
     assert sc.cluster.inter_node_bytes_per_s_per_device == pytest.approx(7e9)
     assert sc.cluster.intra_node_latency_s == pytest.approx(3.4e-6)  # still from the preset
+
+
+def test_cluster_is_resolved_at_load():
+    """The scenario holds the cluster with every field concrete (the preset applied once)."""
+    sc = load(base(cluster={"device": "npu-910b", "num_nodes": 2}, training={"global_batch_size": 32}))
+    assert isinstance(sc.cluster, ResolvedCluster)
+    assert all(getattr(sc.cluster, f.name) is not None for f in dataclasses.fields(ResolvedCluster))
+    assert sc.cluster.device_memory_bytes == 64e9  # the catalog's when not overridden
+    assert sc.topology.spec is sc.cluster
+
+
+def test_one_load_reads_presets_and_validates_a_fixed_number_of_times(monkeypatch, tmp_path):
+    """Per load of the default scenario: every preset folder is globbed once, every preset
+    file read once (the model's and the cluster's), ``ClusterSpec.validate`` runs twice (the
+    scenario's ``cluster`` mapping and the preset file it starts from)."""
+    (tmp_path / "topologies").mkdir()  # a user preset folder too: globbed once as well
+    monkeypatch.setenv("HZPSIM_CONFIG_DIR", str(tmp_path))
+    globbed = spy(monkeypatch, Path, "glob")  # the folders
+    read = spy(monkeypatch, presets, "read_yaml")  # the files
+    validated = spy(monkeypatch, ClusterSpec, "validate")  # the specs
+    for _ in range(2):  # each load looks at the folders afresh, and only once
+        for seen in (globbed, read, validated):
+            seen.clear()
+        assert load_scenario(None).topology.num_devices == 64
+        assert sorted(globbed) == sorted(presets.preset_dirs("topologies"))
+        assert [p.parent.name for p in read] == ["workloads", "topologies"]
+        assert [v.preset for v in validated] == ["dgx-h100", "dgx-h100"]
+
+
+def test_a_preset_added_between_loads_is_found(monkeypatch, tmp_path):
+    monkeypatch.setenv("HZPSIM_CONFIG_DIR", str(tmp_path))
+    scenario = base(cluster={"preset": "my-box"})
+    assert error_of(scenario).startswith("cluster.preset: unknown preset 'my-box'")
+    (tmp_path / "topologies").mkdir()
+    preset = yaml.safe_load((Path(__file__).parents[1] / "topologies" / "dgx-h100.yaml").read_text())
+    (tmp_path / "topologies" / "my-box.yaml").write_text(yaml.safe_dump(preset | {"preset": "my-box"}))
+    assert load(scenario).cluster.preset == "my-box"
 
 
 def test_strategy_list_and_single():

@@ -14,6 +14,11 @@ or an installed wheel by :mod:`hzpsim.presets`). A ``ClusterSpec`` field left ``
 taken from ``spec.preset`` or, when no preset is named, from the device's usual fabric
 (``Device.default_cluster_preset``), as DESIGN §5 asks.
 
+Two types, one boundary: ``ClusterSpec`` is what the user wrote (``None`` = from the preset);
+``ClusterSpec.resolved()`` reads the preset once, at scenario load, and returns a
+``ResolvedCluster`` (every field concrete). ``Topology`` is built from a ``ResolvedCluster``
+only and reads no files; ``build_topology`` does both steps for a ``ClusterSpec``.
+
 Sources of the defaults (tags as in ``data/strategies.md``):
 
 * NVLink4 450 GB/s/dir, achieved ≈370 GB/s busbw → η = 370/450 ≈ 0.822
@@ -35,7 +40,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -54,6 +59,12 @@ INTRA_NODE_LEVELS: tuple[str, ...] = ("island", "node")
 # NCCL src/graph/tuning.cc hwLat[NVLINK|NET][Ring][Simple], µs per ring step [SRC].
 _NCCL_NVLINK_RING_STEP_S = 3.4e-6
 _NCCL_NET_RING_STEP_S = 14.0e-6
+
+
+_COUNT_FIELDS = ("num_nodes", "gpus_per_node", "islands_per_node", "nodes_per_leaf")
+_RATE_FIELDS = ("intra_node_bytes_per_s", "inter_island_bytes_per_s", "inter_node_bytes_per_s_per_device")
+_EFFICIENCY_FIELDS = ("intra_node_efficiency", "inter_island_efficiency", "inter_node_efficiency")
+_LATENCY_FIELDS = ("intra_node_latency_s", "inter_island_latency_s", "inter_node_latency_s")
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,7 @@ class ClusterSpec:
                 get_device(self.device)
             except ValueError as e:
                 raise ValueError(f"device: {e}") from None
-        for name in ("num_nodes", "gpus_per_node", "islands_per_node", "nodes_per_leaf"):
+        for name in _COUNT_FIELDS:
             v = getattr(self, name)
             if v is None:
                 continue
@@ -124,19 +135,15 @@ class ClusterSpec:
                 raise ValueError(f"{name}: must be an integer, got {v!r}")
             if v < 1:
                 raise ValueError(f"{name}: must be >= 1, got {v}")
-        for name in (
-            "intra_node_bytes_per_s",
-            "inter_island_bytes_per_s",
-            "inter_node_bytes_per_s_per_device",
-        ):
+        for name in _RATE_FIELDS:
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name}: must be a positive finite number of bytes/s, got {v!r}")
-        for name in ("intra_node_efficiency", "inter_island_efficiency", "inter_node_efficiency"):
+        for name in _EFFICIENCY_FIELDS:
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and 0 < v <= 1):
                 raise ValueError(f"{name}: must be in (0, 1], got {v!r}")
-        for name in ("intra_node_latency_s", "inter_island_latency_s", "inter_node_latency_s"):
+        for name in _LATENCY_FIELDS:
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name}: must be a finite number of seconds >= 0, got {v!r}")
@@ -146,19 +153,16 @@ class ClusterSpec:
         v = self.spine_oversubscription
         if v is not None and not (_is_number(v) and v >= 1 and math.isfinite(v)):
             raise ValueError(f"spine_oversubscription: must be a finite ratio >= 1, got {v!r}")
-        if (
-            self.gpus_per_node is not None
-            and self.islands_per_node is not None
-            and self.gpus_per_node % self.islands_per_node != 0
-        ):
-            raise ValueError(
-                f"gpus_per_node: {self.gpus_per_node} is not divisible by "
-                f"islands_per_node={self.islands_per_node}"
-            )
+        _check_islands_divide(self.gpus_per_node, self.islands_per_node)
 
-    def resolved(self) -> ClusterSpec:
-        """A copy with every ``None`` filled from the preset (validated)."""
-        self.validate()
+    def resolved(self) -> ResolvedCluster:
+        """Every ``None`` filled from the preset (or the device's usual fabric).
+
+        The boundary between the scenario and the simulator: it reads the preset file (once) and
+        checks the rules that only the merged values can break. ``self`` must already be valid
+        (:func:`~hzpsim.config.from_mapping` validated it, or call :meth:`validate`); errors are
+        ``ValueError("<field>: <problem>")``.
+        """
         if self.preset is not None:
             base_name = self.preset
         elif self.device is not None:
@@ -172,9 +176,9 @@ class ClusterSpec:
         base = preset_spec(base_name)
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         for k, v in values.items():
-            if v is None and k != "preset":
+            if v is None:
                 values[k] = getattr(base, k)
-        values["preset"] = base_name if self.preset is None else self.preset
+        values["preset"] = base_name
         islands = values["islands_per_node"]
         # Inter-island path not published by the preset: 1 island → same as intra (unused);
         # several islands → conservatively the NIC path (DESIGN §5).
@@ -189,15 +193,71 @@ class ClusterSpec:
             values["inter_island_efficiency"] = values[f"{fallback}_efficiency"]
         if values["inter_island_latency_s"] is None:
             values["inter_island_latency_s"] = values[f"{fallback}_latency_s"]
-        out = ClusterSpec(**values)
-        out.validate()
-        missing = [f.name for f in fields(out) if getattr(out, f.name) is None and f.name not in _OPTIONAL]
+        if values["device_memory_bytes"] is None and values["device"] is not None:
+            values["device_memory_bytes"] = get_device(values["device"]).memory_bytes
+        # each value comes from a validated mapping (this spec or the preset file); only the
+        # cross-field rule can be broken by mixing the two
+        _check_islands_divide(values["gpus_per_node"], values["islands_per_node"])
+        missing = [k for k, v in values.items() if v is None]
         if missing:
             raise ValueError(f"{missing[0]}: not set and preset {base_name!r} has no default")
-        return out
+        typed: dict[str, Any] = {  # plain int / float, whatever numbers the spec was built with
+            k: v if isinstance(v, str) else int(v) if k in _COUNT_FIELDS else float(v)
+            for k, v in values.items()
+        }
+        return ResolvedCluster(**typed)
 
 
-_OPTIONAL = ("device_memory_bytes",)  # may stay None after resolving
+def _check_islands_divide(gpus_per_node: int | None, islands_per_node: int | None) -> None:
+    if gpus_per_node is not None and islands_per_node is not None and gpus_per_node % islands_per_node:
+        raise ValueError(
+            f"gpus_per_node: {gpus_per_node} is not divisible by islands_per_node={islands_per_node}"
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedCluster:
+    """A cluster with every field concrete: what :class:`Topology` is built from.
+
+    Produced once, at scenario load, by :meth:`ClusterSpec.resolved` (the preset and the
+    fallbacks applied, the merged values checked). Field names and units are those of
+    :class:`ClusterSpec`; nothing here is ``None`` and nothing here is re-validated.
+    """
+
+    preset: str
+    """Name of the preset the cluster started from (the device's usual fabric if none was named)."""
+    device: str
+    """Device catalog name (``hzpsim.cluster.devices.DEVICES``)."""
+    num_nodes: int
+    """Number of nodes (count ≥ 1)."""
+    gpus_per_node: int
+    """Devices per node (count ≥ 1, a multiple of ``islands_per_node``)."""
+    islands_per_node: int
+    """Scale-up islands (NVSwitch domain / full mesh) per node (count ≥ 1)."""
+    intra_node_bytes_per_s: float
+    """Per device, one direction, line rate inside an island (bytes/s)."""
+    inter_island_bytes_per_s: float
+    """Per device, one direction, line rate between islands of one node (bytes/s)."""
+    inter_node_bytes_per_s_per_device: float
+    """NIC line rate per device, one direction (bytes/s)."""
+    nodes_per_leaf: int
+    """Nodes under one leaf switch / rail group / scalable unit (count ≥ 1)."""
+    spine_oversubscription: float
+    """Leaf-uplink taper: spine bandwidth per device = NIC / this (ratio ≥ 1)."""
+    intra_node_efficiency: float
+    """Achieved fraction of the island line rate (0 < η ≤ 1)."""
+    inter_island_efficiency: float
+    """Achieved fraction of the inter-island line rate (0 < η ≤ 1)."""
+    inter_node_efficiency: float
+    """Achieved fraction of the NIC line rate, leaf and spine (0 < η ≤ 1)."""
+    intra_node_latency_s: float
+    """α per ring step inside an island (seconds ≥ 0)."""
+    inter_island_latency_s: float
+    """α per ring step between islands of one node (seconds ≥ 0)."""
+    inter_node_latency_s: float
+    """α per ring step through the NIC, leaf and spine (seconds ≥ 0)."""
+    device_memory_bytes: float
+    """Memory capacity of one device (bytes; the catalog's unless overridden)."""
 
 
 def _is_number(v: object) -> bool:
@@ -268,46 +328,38 @@ class Topology:
 
     LEVELS = LEVELS
 
-    def __init__(self, spec: ClusterSpec):
-        spec = spec.resolved()
-        self.spec: ClusterSpec = spec
-        self.device: Device = get_device(spec.device)  # type: ignore[arg-type]
-        if spec.device_memory_bytes is not None:  # e.g. a 96 GB H100 variant
-            self.device = replace(self.device, memory_bytes=float(spec.device_memory_bytes))
-        self.num_nodes: int = int(spec.num_nodes)
-        self.devices_per_node: int = int(spec.gpus_per_node)  # type: ignore[arg-type]
-        self.islands_per_node: int = int(spec.islands_per_node)  # type: ignore[arg-type]
+    def __init__(self, spec: ResolvedCluster):
+        """Pure: arithmetic on ``spec`` only (no files; build from a ``ClusterSpec`` with
+        :func:`build_topology`)."""
+        if not isinstance(spec, ResolvedCluster):
+            raise TypeError(
+                f"Topology needs a ResolvedCluster, got {type(spec).__name__} "
+                "(use build_topology(spec) or spec.resolved())"
+            )
+        self.spec: ResolvedCluster = spec
+        self.device: Device = get_device(spec.device)
+        if spec.device_memory_bytes != self.device.memory_bytes:  # e.g. a 96 GB H100 variant
+            self.device = replace(self.device, memory_bytes=spec.device_memory_bytes)
+        self.num_nodes: int = spec.num_nodes
+        self.devices_per_node: int = spec.gpus_per_node
+        self.islands_per_node: int = spec.islands_per_node
         self.devices_per_island: int = self.devices_per_node // self.islands_per_node
-        self.nodes_per_leaf: int = int(spec.nodes_per_leaf)  # type: ignore[arg-type]
+        self.nodes_per_leaf: int = spec.nodes_per_leaf
         self.num_devices: int = self.num_nodes * self.devices_per_node
         self.num_islands: int = self.num_nodes * self.islands_per_node
         self.num_leaves: int = -(-self.num_nodes // self.nodes_per_leaf)
         s = spec
-        nic = float(s.inter_node_bytes_per_s_per_device)  # type: ignore[arg-type]
+        nic = s.inter_node_bytes_per_s_per_device
         self._links: dict[str, LinkLevel] = {
             "island": LinkLevel(
-                "island",
-                float(s.intra_node_bytes_per_s),  # type: ignore[arg-type]
-                float(s.intra_node_efficiency),  # type: ignore[arg-type]
-                float(s.intra_node_latency_s),  # type: ignore[arg-type]
+                "island", s.intra_node_bytes_per_s, s.intra_node_efficiency, s.intra_node_latency_s
             ),
             "node": LinkLevel(
-                "node",
-                float(s.inter_island_bytes_per_s),  # type: ignore[arg-type]
-                float(s.inter_island_efficiency),  # type: ignore[arg-type]
-                float(s.inter_island_latency_s),  # type: ignore[arg-type]
+                "node", s.inter_island_bytes_per_s, s.inter_island_efficiency, s.inter_island_latency_s
             ),
-            "leaf": LinkLevel(
-                "leaf",
-                nic,
-                float(s.inter_node_efficiency),  # type: ignore[arg-type]
-                float(s.inter_node_latency_s),  # type: ignore[arg-type]
-            ),
+            "leaf": LinkLevel("leaf", nic, s.inter_node_efficiency, s.inter_node_latency_s),
             "spine": LinkLevel(
-                "spine",
-                nic / float(s.spine_oversubscription),  # type: ignore[arg-type]
-                float(s.inter_node_efficiency),  # type: ignore[arg-type]
-                float(s.inter_node_latency_s),  # type: ignore[arg-type]
+                "spine", nic / s.spine_oversubscription, s.inter_node_efficiency, s.inter_node_latency_s
             ),
         }
         self._span_cache: dict[tuple[int, ...] | range, GroupSpan] = {}
@@ -461,13 +513,20 @@ def _runs(sorted_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sorted_ids[starts], counts
 
 
-def build_topology(spec: ClusterSpec) -> Topology:
-    """Pure builder: resolve ``spec`` against its preset and return the Topology."""
+def build_topology(spec: ClusterSpec | ResolvedCluster) -> Topology:
+    """The Topology of ``spec``; a ``ClusterSpec`` is validated and resolved against its preset
+    first (the one step here that reads files), a ``ResolvedCluster`` is used as is."""
+    if isinstance(spec, ClusterSpec):
+        from hzpsim.presets import listing_once
+
+        with listing_once():
+            spec.validate()
+            spec = spec.resolved()
     return Topology(spec)
 
 
-def with_overrides(spec: ClusterSpec, **overrides: object) -> ClusterSpec:
+def with_overrides(spec: ClusterSpec, **overrides: Any) -> ClusterSpec:
     """Convenience: ``dataclasses.replace`` that validates the result."""
-    out = replace(spec, **overrides)  # type: ignore[arg-type]
+    out = replace(spec, **overrides)
     out.validate()
     return out

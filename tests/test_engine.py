@@ -17,8 +17,9 @@ NVLINK4_ACHIEVED = 450e9 * 370 / 450  # 370 GB/s busbw (nccl-tests #212)
 NDR_ACHIEVED = 50e9 * 0.94
 
 
-def dgx_h100(nodes: int = 1):
-    return build_topology(ClusterSpec(preset="dgx-h100", num_nodes=nodes))
+def dgx_h100(nodes: int = 1, variability: float = 0.0):
+    """Closed forms assume no stragglers: variability off unless asked for."""
+    return build_topology(ClusterSpec(preset="dgx-h100", num_nodes=nodes, variability=variability))
 
 
 def one_second_gemm() -> dict[str, float]:

@@ -24,6 +24,7 @@ GPT = {  # GPT-style (MHA, GELU, ffn = 4h, dropout): Korthikanti's 34 sbh per la
 FREE_LINKS = {
     "intra_node_bytes_per_s": 1e18, "inter_node_bytes_per_s_per_device": 1e18, "inter_island_bytes_per_s": 1e18,
     "intra_node_latency_s": 0.0, "inter_node_latency_s": 0.0, "inter_island_latency_s": 0.0,
+    "variability": 0.0,  # no waiting for stragglers either: the closed forms assume none
 }
 
 

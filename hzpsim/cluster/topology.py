@@ -62,6 +62,12 @@ _NCCL_NET_RING_STEP_S = 14.0e-6
 
 
 _COUNT_FIELDS = ("num_nodes", "gpus_per_node", "islands_per_node", "nodes_per_leaf")
+
+#: Default coefficient of variation of a rank's time between synchronisations. MegaScale
+#: (Jiang et al., NSDI'24, Fig. 7) shows per-rank compute latency of one step spanning about
+#: 2.0-2.5 s over 12,288 GPUs; for normal draws that range is ~7.8 sigma, so sigma/mean =
+#: (0.5 / 2.25) / 7.8 = 0.028. Plausible range 0.005-0.05; the calibration fits it.
+DEFAULT_VARIABILITY = 0.028
 _RATE_FIELDS = ("intra_node_bytes_per_s", "inter_island_bytes_per_s", "inter_node_bytes_per_s_per_device")
 _EFFICIENCY_FIELDS = ("intra_node_efficiency", "inter_island_efficiency", "inter_node_efficiency")
 _LATENCY_FIELDS = ("intra_node_latency_s", "inter_island_latency_s", "inter_node_latency_s")
@@ -96,6 +102,10 @@ class ClusterSpec:
       achieved fraction of line rate (0 < η ≤ 1; ``None`` → preset's).
     * ``intra_node_latency_s``, ``inter_island_latency_s``, ``inter_node_latency_s`` — α per
       ring step at that level (seconds, ≥ 0; ``None`` → preset's).
+    * ``variability`` — coefficient of variation of a rank's time between synchronisations
+      (0 ≤ cv < 1; ``None`` → the preset's, else ``DEFAULT_VARIABILITY``); a collective over N
+      ranks waits for the slowest of N draws. 0 switches it off.
+    * ``variability_seed`` — seed of the draws under ``--expand`` (count ≥ 0; 0).
     """
 
     preset: str | None = None
@@ -115,6 +125,8 @@ class ClusterSpec:
     inter_island_latency_s: float | None = None
     inter_node_latency_s: float | None = None
     device_memory_bytes: float | None = None  # override of the device's memory capacity (bytes); None = the catalog's
+    variability: float | None = None  # cv of per-rank time between synchronisations; None = default
+    variability_seed: int | None = None  # seed of the sampled draws under --expand; None = 0
 
     def validate(self) -> None:
         """Check the fields that are set; raise ``ValueError("<field>: <problem>")``."""
@@ -147,6 +159,12 @@ class ClusterSpec:
             v = getattr(self, name)
             if v is not None and not (_is_number(v) and v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name}: must be a finite number of seconds >= 0, got {v!r}")
+        v = self.variability
+        if v is not None and not (_is_number(v) and 0 <= v < 1):
+            raise ValueError(f"variability: must be a coefficient of variation in [0, 1), got {v!r}")
+        v = self.variability_seed
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+            raise ValueError(f"variability_seed: must be an integer >= 0, got {v!r}")
         v = self.device_memory_bytes
         if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
             raise ValueError(f"device_memory_bytes: must be a positive number of bytes, got {v!r}")
@@ -193,6 +211,10 @@ class ClusterSpec:
             values["inter_island_efficiency"] = values[f"{fallback}_efficiency"]
         if values["inter_island_latency_s"] is None:
             values["inter_island_latency_s"] = values[f"{fallback}_latency_s"]
+        if values["variability"] is None:
+            values["variability"] = DEFAULT_VARIABILITY
+        if values["variability_seed"] is None:
+            values["variability_seed"] = 0
         if values["device_memory_bytes"] is None and values["device"] is not None:
             values["device_memory_bytes"] = get_device(values["device"]).memory_bytes
         # each value comes from a validated mapping (this spec or the preset file); only the
@@ -202,7 +224,7 @@ class ClusterSpec:
         if missing:
             raise ValueError(f"{missing[0]}: not set and preset {base_name!r} has no default")
         typed: dict[str, Any] = {  # plain int / float, whatever numbers the spec was built with
-            k: v if isinstance(v, str) else int(v) if k in _COUNT_FIELDS else float(v)
+            k: v if isinstance(v, str) else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
             for k, v in values.items()
         }
         return ResolvedCluster(**typed)
@@ -258,6 +280,10 @@ class ResolvedCluster:
     """α per ring step through the NIC, leaf and spine (seconds ≥ 0)."""
     device_memory_bytes: float
     """Memory capacity of one device (bytes; the catalog's unless overridden)."""
+    variability: float
+    """Coefficient of variation of a rank's time between synchronisations (0 = off)."""
+    variability_seed: int
+    """Seed of the sampled draws under ``--expand``."""
 
 
 def _is_number(v: object) -> bool:

@@ -56,6 +56,13 @@ class CollectivePlan:
     demand_by_level: dict[str, float]  # bytes / protocol efficiency: what occupies the link
     isolated_time_s: float  # latency + bandwidth time with no other traffic
 
+    def stretched(self, factor: float) -> CollectivePlan:
+        """The same bytes, taking ``factor`` times as long (waiting for the slowest transfer)."""
+        return CollectivePlan(
+            self.algorithm, self.protocol, self.latency_s * factor, dict(self.bytes_by_level),
+            {k: v * factor for k, v in self.demand_by_level.items()}, self.isolated_time_s * factor,
+        )
+
     def repeated(self, count: int) -> CollectivePlan:
         """The same collective issued ``count`` times back to back."""
         return CollectivePlan(

@@ -26,6 +26,7 @@ from hzpsim.ops import COMPUTE, GraphError, Op, OpGraph, SimulatorFault
 from hzpsim.sim.collectives import CollectiveModel, CollectivePlan
 from hzpsim.sim.compute import ComputeModel, Efficiency
 from hzpsim.sim.network import Network, Resource
+from hzpsim.sim.variability import Stragglers
 
 UNDONE = -1.0
 # Events processed with no op finishing before the run counts as stuck. Between two op ends a
@@ -85,6 +86,10 @@ class Engine:
         self._talking = dict.fromkeys(graph.weights, 0)  # collectives in flight per rank
         self._running: dict[int, list[_Running]] = {r: [] for r in graph.weights}
         self.num_finished = 0
+        self.stragglers = Stragglers(topology.spec.variability, topology.spec.variability_seed)
+        # rank -> (time of a rendezvous, how late its slowest member was): the rank's next device
+        # compute waits for that member unless it already waited at least as long for its inputs
+        self._straggler: dict[int, tuple[float, float]] = {}
 
     def _capacity(self, resource: Resource) -> float:
         level = resource[1]
@@ -120,25 +125,37 @@ class Engine:
 
     def _stream(self, ops: list[Op]) -> Generator[simpy.Event, None, None]:
         end_s = self.end_s
+        previous_end_s = 0.0
         for op in ops:
             for d in op.deps:
                 if end_s[d] == UNDONE:
                     yield self._wait(d)
             if op.kind == COMPUTE:
+                device = bool(op.flops or op.bytes_accessed)
+                if device and self._straggler:
+                    late = self._straggler.pop(op.ranks[0], None)
+                    if late is not None:
+                        waited_s = self.env.now - max(previous_end_s, late[0])
+                        if late[1] > waited_s:
+                            yield self.env.timeout(late[1] - waited_s)
                 self.start_s[op.id] = self.env.now
                 if op.alloc:
                     self._memory(op, op.alloc, 1.0)
-                if self.slowdown and (op.flops or op.bytes_accessed):  # fixed (host) time is not slowed
+                if self.slowdown and device:  # fixed (host) time is not slowed
                     yield self._start_slowable(op)
                 else:
                     yield self.env.timeout(self.compute_model.duration_s(op))
+                if device:  # device work: what a straggler falls behind on
+                    self.stragglers.worked(op.ranks[0], self.env.now - self.start_s[op.id])
                 self._finish(op)
+                previous_end_s = self.env.now
             else:
                 self._arrived[op.id] += 1
                 if self._arrived[op.id] == len(op.ranks):
                     self._collective(op)
                 if end_s[op.id] == UNDONE:
                     yield self._wait(op.id)
+                previous_end_s = end_s[op.id]
 
     # ------------------------------------------------------------------ compute slowdown
 
@@ -194,9 +211,24 @@ class Engine:
         plan = self.collective_model.plan(op.collective, op.size_bytes, self.spans[op.group], pair_level)
         if op.count != 1:
             plan = plan.repeated(op.count)
+        late_s = 0.0
+        if op.collective != "send_recv" and self.stragglers.cv > 0:
+            # the slowest member arrives late and every ring step waits for the slowest transfer
+            # (sim/variability.py): the collective completes later, and the group's next device
+            # compute cannot start before its slowest member arrived
+            size = self.spans[op.group].num_ranks
+            sampled = len(op.ranks) == size and all(self.graph.weights[r] == 1 for r in op.ranks)
+            late_s = self.stragglers.delay_s(op.ranks, size, sampled)
+            plan = plan.stretched(self.stragglers.stretch(len(op.ranks), size, sampled))
         self.plans[op.id] = plan
-        if plan.latency_s > 0:
-            timer = self.env.timeout(plan.latency_s)
+        wait_s = plan.latency_s
+        if late_s > 0:
+            wait_s += late_s
+            for rank in op.ranks:
+                if late_s > self._straggler.get(rank, (0.0, 0.0))[1]:
+                    self._straggler[rank] = (self.env.now, late_s)
+        if wait_s > 0:
+            timer = self.env.timeout(wait_s)
             timer.callbacks.append(lambda _event: self._transfer(op, plan))
         else:
             self._transfer(op, plan)

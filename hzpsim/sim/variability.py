@@ -1,0 +1,108 @@
+"""What grows with scale: every collective waits for its slowest participant.
+
+A rank's time between two synchronisations varies from rank to rank (clocks under power and
+thermal limits, OS and Python jitter, slow devices). With a coefficient of variation ``cv`` of
+each stretch of device work between two synchronisations, drawn independently, a collective
+over N ranks starts ``cv · W · E[max(0, max of N standard normal draws)]`` late: the expected
+lateness of the slowest of N, where ``W`` is the standard deviation unit of the work since
+the group last met (below). The symmetric simulation charges that expectation (the
+group's *real* size N, whatever number of ranks is simulated); an expanded simulation (every
+simulated participant stands for one device and the whole group is simulated) draws one
+normal per participant per collective from a seeded generator and waits for the largest
+``z_i · W_i``: the same on average, deterministic for a seed.
+
+``W`` comes from the stretches of device compute a rank ran between its rendezvous since its
+last rendezvous in a group of at least N ranks: ``W = sqrt(sum of stretch²)``. The stretches
+are independent, so their noise adds in variance: a group as large re-aligns the ranks (after
+ZeRO-3's per-layer all-gathers over all N ranks, W at the next is one layer), while smaller
+groups in between (an island's all-gathers, TP all-reduces) leave many short stretches whose
+noise mostly averages out by the next large synchronisation — which is why hierarchical
+groups (AsyncHZP, HSDP) wait for fewer stragglers than one flat group. Send/recv pairs are not charged: a
+pipeline stage already waits for its neighbour's data. The collective's own time stretches the same way: every step of a
+ring waits for the slowest of the group's transfers, so latency and transfer take
+``1 + cv · E[max]`` as long. ``cv = 0`` gives exactly the deterministic model.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import numpy as np
+
+
+@cache
+def expected_max_excess(n: int) -> float:
+    """E[max(0, max of ``n`` i.i.d. standard normal draws)] (0 for n <= 1): integral of
+    1 - Phi(x)^n over x >= 0, by the trapezoid rule on a fine grid."""
+    if n <= 1:
+        return 0.0
+    xs = np.linspace(0.0, 12.0, 6001)
+    phi = np.array([0.5 * (1.0 + math.erf(x / math.sqrt(2.0))) for x in xs])
+    # 1 - phi**n, computed stably for huge n as -expm1(n * log(phi))
+    tail = -np.expm1(n * np.log(np.maximum(phi, 1e-300)))
+    return float(np.sum((tail[1:] + tail[:-1]) * 0.5) * (xs[1] - xs[0]))
+
+
+class _RankState:
+    __slots__ = ("work_s", "last_work_s", "total_sq", "since")
+
+    def __init__(self) -> None:
+        self.work_s = 0.0  # device work done so far
+        self.last_work_s = 0.0  # ... at the rank's previous rendezvous
+        self.total_sq = 0.0  # sum of squared stretches since the start
+        self.since: dict[int, float] = {}  # group size -> sum of squared stretches since the last
+        #                                    rendezvous in a group at least that large
+
+
+class Stragglers:
+    """Tracks each rank's device work and prices the wait for the slowest participant."""
+
+    def __init__(self, cv: float, seed: int) -> None:
+        self.cv = cv
+        self.rng = np.random.default_rng(seed)
+        self.ranks: dict[int, _RankState] = {}
+
+    def worked(self, rank: int, seconds: float) -> None:
+        state = self.ranks.get(rank)
+        if state is None:
+            state = self.ranks[rank] = _RankState()
+        state.work_s += seconds
+
+    def _since(self, rank: int, size: int) -> float:
+        """W of ``rank`` at a rendezvous of ``size`` ranks (and the rendezvous recorded)."""
+        state = self.ranks.get(rank)
+        if state is None:
+            state = self.ranks[rank] = _RankState()
+        stretch = state.work_s - state.last_work_s
+        state.last_work_s = state.work_s
+        square = stretch * stretch
+        state.total_sq += square
+        for s in state.since:
+            state.since[s] += square
+        if size not in state.since:  # since the last rendezvous at least this large, if any
+            state.since[size] = min([state.total_sq, *(v for s, v in state.since.items() if s >= size)])
+        w = math.sqrt(state.since[size])
+        for s in state.since:
+            if s <= size:
+                state.since[s] = 0.0
+        return w
+
+    def delay_s(self, ranks: tuple[int, ...], group_size: int, sampled: bool) -> float:
+        """Extra wait of a rendezvous of ``ranks`` (simulated) in a group of ``group_size``."""
+        if self.cv <= 0 or group_size <= 1:
+            return 0.0
+        work = [self._since(r, group_size) for r in ranks]
+        if sampled:
+            draws = self.rng.standard_normal(len(ranks))
+            return self.cv * max(0.0, max(float(z) * w for z, w in zip(draws, work)))
+        return self.cv * max(work) * expected_max_excess(group_size)
+
+    def stretch(self, num_participants: int, group_size: int, sampled: bool) -> float:
+        """Factor on a collective's own time: each step of a ring (or tree level) waits for the
+        slowest of the group's transfers, so latency and transfer take ``1 + cv · E[max]``."""
+        if self.cv <= 0 or group_size <= 1:
+            return 1.0
+        if sampled:
+            return 1.0 + self.cv * max(0.0, float(self.rng.standard_normal(num_participants).max()))
+        return 1.0 + self.cv * expected_max_excess(group_size)

@@ -251,11 +251,19 @@ class UnitEmitter:
         last = deps[-1] if deps else None
         if hidden > 0:  # the hidden share runs beside the next compute and only loads the links
             self.emit.collective("all_reduce", self.instances["tp"], unit.tp_bytes * hidden, f"tp.{label}.overlapped",
-                                 "tp", "tp", deps, step, count=count)
+                                 "tp", "tp", deps, step, count=count, launch=False)
         if hidden < 1:
             last = self.emit.collective("all_reduce", self.instances["tp"], unit.tp_bytes * (1 - hidden), f"tp.{label}",
-                                        "tp", "compute", deps, step, count=count)
+                                        "tp", "compute", deps, step, count=count, launch=False)
         return last
+
+    def _calls(self, unit: MPUnit, forward: bool) -> list[tuple[int, int]]:
+        """The unit pass's TP / CP / EP collective calls as (count, group size): their host cost
+        is charged with the pass's kernel launches, in one host op."""
+        deg = self.deg
+        tp = unit.tp_count_forward if forward else unit.tp_count_backward
+        return [(tp if unit.tp_bytes else 0, deg.tp), (1 if forward else 2, deg.cp) if unit.cp_bytes else (0, 1),
+                (2, deg.ep) if unit.is_moe and unit.ep_bytes else (0, 1)]
 
     def forward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
                 alloc: dict[str, float], free: dict[str, float] | None) -> Ids:
@@ -263,23 +271,25 @@ class UnitEmitter:
         emit = self.emit
         if not unit.cp_bytes and not (unit.is_moe and unit.ep_bytes):  # one op, TP after it
             last: Ids = emit.compute(f"fwd.{label}", "forward", unit.pre + unit.post, deps, step,
-                                     alloc=alloc, free=free, kernels=unit.kernels_forward)
+                                     alloc=alloc, free=free, kernels=unit.kernels_forward,
+                                     calls=self._calls(unit, True))
             return self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
         has_post = bool(unit.post)
         last = emit.compute(f"fwd.{label}", "forward", unit.pre, deps, step, alloc=alloc,
-                            free=None if (has_post or unit.cp_bytes) else free, kernels=unit.kernels_forward)
+                            free=None if (has_post or unit.cp_bytes) else free, kernels=unit.kernels_forward,
+                            calls=self._calls(unit, True))
         if unit.cp_bytes:
             ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.fwd.{label}", "cp", "cp",
-                                   deps, step)
+                                   deps, step, launch=False)
             last = emit.compute(f"fwd.remote.{label}", "forward", unit.remote, [last, ring], step,
                                 free=None if has_post else free)
         if unit.is_moe and unit.ep_bytes:
             last = self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
             dispatch = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.{label}",
-                                       "ep", "compute", [last], step)
+                                       "ep", "compute", [last], step, launch=False)
             experts = emit.compute(f"fwd.experts.{label}", "forward", unit.post, [dispatch], step, free=free)
             return emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.combine.{label}",
-                                   "ep", "compute", [experts], step)
+                                   "ep", "compute", [experts], step, launch=False)
         if has_post:
             last = emit.compute(f"fwd.mlp.{label}", "forward", unit.post, [last], step, free=free)
         return self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
@@ -290,19 +300,20 @@ class UnitEmitter:
         start = deps
         if unit.is_moe and unit.ep_bytes:
             combine = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.combine.bwd.{label}",
-                                      "ep", "compute", deps, step)
+                                      "ep", "compute", deps, step, launch=False)
             start = [combine]
         if unit.cp_bytes:
             ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.bwd.{label}", "cp", "cp",
-                                   deps, step, count=2)
+                                   deps, step, count=2, launch=False)
         main = emit.compute(f"bwd.{label}", "backward", unit.backward, start, step, alloc=alloc,
-                            free=None if unit.cp_bytes else free, kernels=unit.kernels_backward)
+                            free=None if unit.cp_bytes else free, kernels=unit.kernels_backward,
+                            calls=self._calls(unit, False))
         last: Ids = main
         if unit.cp_bytes:
             last = emit.compute(f"bwd.remote.{label}", "backward", unit.backward_remote, [main, ring], step, free=free)
         if unit.is_moe and unit.ep_bytes:
             last = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.bwd.{label}",
-                                   "ep", "compute", [last], step)
+                                   "ep", "compute", [last], step, launch=False)
         return self._tp(unit, unit.tp_count_backward, f"bwd.{label}", [last], step) or last
 
 

@@ -210,12 +210,14 @@ class Emitter:
 
     def collective(self, kind: str, instances: list[tuple[str, tuple[int, ...]]], size: float, name: str,
                    category: str, stream: str, deps: Sequence[Ids | None], step: int,
-                   alloc: float = 0.0, free: float = 0.0, count: int = 1, sync: Sequence[Ids | None] = ()) -> Ids:
-        """``count`` calls of ``size`` bytes each, back to back, launched by one host op."""
-        if instances:
+                   alloc: float = 0.0, free: float = 0.0, count: int = 1, sync: Sequence[Ids | None] = (),
+                   launch: bool = True) -> Ids:
+        """``count`` calls of ``size`` bytes each, back to back, launched by one host op
+        (``launch=False``: the caller charged the call to the host op of the compute it follows)."""
+        if instances and launch:
             group_size = len(self.graph.groups[instances[0][0]])
-            launch = self.host(f"call.{name}", self.implementation.call_host_s(count, group_size), step, sync)
-            deps = [*deps, launch]
+            host = self.host(f"call.{name}", self.implementation.call_host_s(count, group_size), step, sync)
+            deps = [*deps, host]
         ids: Ids = {}
         for group, participants in instances:
             dep_ids = [d[lane] for d in deps if d for lane in participants if lane in d]
@@ -230,9 +232,12 @@ class Emitter:
 
     def compute(self, name: str, category: str, work: Work, deps: Sequence[Ids | None], step: int,
                 alloc: dict[str, float] | None = None, free: dict[str, float] | None = None,
-                kernels: float = 0.0) -> Ids:
-        """One device op per lane, launched by a host op that dispatches ``kernels`` kernels."""
-        launch = self.host(f"launch.{name}", self.implementation.launch_s(kernels), step)
+                kernels: float = 0.0, calls: Sequence[tuple[int, int]] = ()) -> Ids:
+        """One device op per lane, launched by a host op that dispatches ``kernels`` kernels and
+        issues the collective ``calls`` ((count, group size) each) that follow it in the unit."""
+        impl = self.implementation
+        seconds = impl.launch_s(kernels) + sum(impl.call_host_s(count, size) for count, size in calls)
+        launch = self.host(f"launch.{name}", seconds, step)
         ids = {
             lane: self.graph.compute(
                 lane, name, category, work.flops(), [d.get(lane) for d in [*deps, launch] if d],

@@ -36,7 +36,8 @@ def test_every_preset_loads_validates_and_is_named_like_its_file():
         model = load(name)
         model.validate()
         assert model.name == name
-        assert model.num_params() > 0
+        pinned = {n for n, *_ in PUBLISHED_TOTAL} | set(HAND_COUNTED)
+        assert name in pinned, f"{name}: add its published or hand-counted total to PUBLISHED_TOTAL / HAND_COUNTED"
 
 
 # --------------------------------------------------------------------------- parameters
@@ -66,6 +67,29 @@ PUBLISHED_TOTAL = [
 @pytest.mark.parametrize(("name", "published", "rel"), PUBLISHED_TOTAL)
 def test_total_params_match_published(name, published, rel):
     assert load(name).num_params() == pytest.approx(published, rel=rel)
+
+
+# Presets with no published total, counted by hand from their YAML (h hidden, f ffn, V vocab):
+HAND_COUNTED = {
+    # 4 SwiGLU layers: q, o 2h^2 + k, v 2 x h x 128 (2 kv heads of 64) + 3 h f + 2 norms h;
+    # embedding V h; untied head V h + final norm h  (h 256, f 688, V 1,024)
+    "tiny-dense": 4 * (2 * 256**2 + 2 * 256 * 128 + 3 * 256 * 688 + 2 * 256) + 1024 * 256 + 1024 * 256 + 256,
+    # 4 GELU layers with biases: 4h^2 + 4h + 2 h f + f + h + 2 layernorms 2h; tied embedding
+    # V h; learned positions s h; final layernorm 2h  (h 256, f 1,024, s 128)
+    "tiny-gpt": 4 * (4 * 256**2 + 4 * 256 + 2 * 256 * 1024 + 1024 + 256 + 4 * 256) + 1024 * 256 + 128 * 256 + 2 * 256,
+    # layer 0 dense as tiny-dense; layers 1-3: attention + 2 norms + router h x 4 + 4 experts
+    # of 3 h x 344; embedding, untied head, final norm
+    "tiny-moe": (2 * 256**2 + 2 * 256 * 128 + 3 * 256 * 688 + 2 * 256)
+    + 3 * (2 * 256**2 + 2 * 256 * 128 + 2 * 256 + 256 * 4 + 4 * 3 * 256 * 344) + 2 * 1024 * 256 + 256,
+    # 80 GELU layers without biases: 4h^2 + 2 h f + 2 norms h; tied embedding; final norm
+    # (h 8,192, f 32,768, V 50,368; MPT's configuration, no published 70B release)
+    "mpt-70b": 80 * (4 * 8192**2 + 2 * 8192 * 32768 + 2 * 8192) + 50368 * 8192 + 8192,
+}
+
+
+@pytest.mark.parametrize(("name", "total"), sorted(HAND_COUNTED.items()))
+def test_total_params_match_hand_count(name, total):
+    assert load(name).num_params() == total
 
 
 @pytest.mark.parametrize(

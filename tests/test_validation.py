@@ -225,9 +225,18 @@ def test_end_to_end_one_published_row(cases):
 
 
 def test_fabricated_tiny_row_runs():
-    df = validate_published([case_from_row(_row(), 0)])
+    case = case_from_row(_row(), 0)
+    df = validate_published([case])
     assert df.loc[0, "status"] == "ok"
-    assert df.loc[0, "pred_tokens_per_s_per_gpu"] > 0
+    # the row's prediction is the planner's for the row's scenario, and no faster than an A100
+    # at its 312 TF/s bf16 peak doing the model's 6·Psi + attention FLOPs per token
+    from hzpsim.planner import run_choice
+
+    sc = scenario_from_mapping(case.scenario_mapping)
+    pred = df.loc[0, "pred_tokens_per_s_per_gpu"]
+    assert pred == pytest.approx(run_choice(sc, sc.strategies[0])["tokens_per_s_per_device"], rel=1e-12)
+    assert pred * sc.model.model_flops_per_token() <= 312e12
+    assert df.loc[0, "err_tokens_pct"] == pytest.approx((pred - 1000.0) / 1000.0 * 100)
 
 
 def test_main_published_json():

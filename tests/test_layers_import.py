@@ -1,0 +1,203 @@
+"""The import layers of docs/design.md, checked on every module of the package.
+
+"Layers import downward only" (docs/design.md, "The flow"): each module of ``hzpsim/`` is
+parsed with ``ast`` (no import is executed) and every ``import`` / ``from ... import`` in it,
+at any depth (imports inside functions count too), is checked against ``LAYERS`` below:
+
+- a module may import modules of its own layer or of a lower one, never of a higher one;
+- the engine never imports a strategy (``sim`` may not import ``strategies``, although it
+  sits above it);
+- SimPy is imported only in ``sim/``, PyTorch only in ``executor/``, matplotlib only in
+  ``plots``.
+
+A module is named by its first component under ``hzpsim`` (``hzpsim.sim.engine`` is ``sim``,
+``hzpsim.strategies._sharded`` is ``strategies``, the package ``hzpsim/__init__.py`` is
+``__init__``). A module that is in no layer fails the test: add it to ``LAYERS``, in the layer
+of the lowest module that imports it and above everything it imports.
+
+The table also lists modules that live on other branches (``executor/``,
+``validate_executor``, ``search``, ``regress``, ``frames``), so that they are checked the
+moment they arrive.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "hzpsim"
+
+# Lowest first. The order of docs/design.md ("`model`, `ops`, `training` < `cluster` <
+# `strategies` < `sim` < `report` < `planner` < `cli`") plus the modules it does not name.
+LAYERS: list[tuple[str, ...]] = [
+    # foundations: the version, ScenarioError and typed mappings, preset files (YAML)
+    ("__init__", "config", "presets"),
+    # the nouns: a model, one rank's ops, the training settings
+    ("model", "ops", "training"),
+    ("cluster",),
+    ("strategies",),
+    # a typed, validated scenario: asks the strategy plugins to check their layouts, never simulates
+    ("scenario",),
+    ("sim",),
+    ("report",),
+    ("planner",),
+    # tools built on the planner: published-run validation, the strategy search, regression
+    # runs, data frames of reports, and the PyTorch executor with its comparison to the simulator
+    # (executor/cli and validate_executor import each other, so they share a layer)
+    ("validation", "search", "regress", "frames", "executor", "validate_executor"),
+    # front ends
+    ("plots", "cli"),
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+# Pairs the order allows but docs/design.md forbids: (importer, imported) -> why.
+FORBIDDEN = {("sim", "strategies"): "the engine never imports a strategy (docs/design.md)"}
+
+# Third-party packages confined to one layer: package -> the layer allowed to import it.
+CONFINED = {"simpy": "sim", "torch": "executor", "matplotlib": "plots"}
+
+# Known violations, each with the reason it is tolerated for now: (file, imported layer).
+KNOWN: dict[tuple[str, str], str] = {}
+
+
+def layer_of(module: str) -> str:
+    """``hzpsim.sim.engine`` -> ``sim``; ``hzpsim`` -> ``__init__``."""
+    parts = module.split(".")
+    assert parts[0] == "hzpsim", module
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported(tree: ast.AST, module: str, is_package: bool) -> list[tuple[int, str, str]]:
+    """(line, imported module, source text) of every import in ``tree``, relative ones resolved."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.append((node.lineno, alias.name, f"import {alias.name}"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # from . import x / from ..y import z
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = ", ".join(a.name for a in node.names)
+            text = f"from {'.' * node.level}{node.module or ''} import {names}"
+            if target == "hzpsim":  # from hzpsim import strategies: a submodule, or the package itself
+                for alias in node.names:
+                    sub = PACKAGE / alias.name
+                    is_sub = sub.is_dir() or sub.with_suffix(".py").is_file() or alias.name in RANK
+                    found.append((node.lineno, f"hzpsim.{alias.name}" if is_sub else "hzpsim", text))
+            else:
+                found.append((node.lineno, target, text))
+    return found
+
+
+def violations(path: Path, source: str | None = None) -> list[str]:
+    """Every import of the module at ``path`` that breaks a rule, as 'file:line: text: why'."""
+    source = path.read_text(encoding="utf-8") if source is None else source
+    module = module_name(path)
+    where = path.relative_to(REPO).as_posix()
+    layer = layer_of(module)
+    problems = []
+    if layer not in RANK:
+        return [f"{where}: module layer '{layer}' is in no layer of LAYERS in tests/test_layers_import.py: "
+                "add it there (above everything it imports, below everything that imports it)"]
+    for line, target, text in imported(ast.parse(source, filename=where), module, path.name == "__init__.py"):
+        top = target.split(".")[0]
+        if top in CONFINED and layer != CONFINED[top]:
+            problems.append(f"{where}:{line}: {text}: {top} may be imported only in hzpsim/{CONFINED[top]}")
+        if top != "hzpsim":
+            continue
+        other = layer_of(target)
+        if (where, other) in KNOWN:
+            continue
+        if other not in RANK:
+            problems.append(f"{where}:{line}: {text}: '{other}' is in no layer of LAYERS in "
+                            "tests/test_layers_import.py: add it there")
+        elif RANK[other] > RANK[layer]:
+            problems.append(f"{where}:{line}: {text}: upward import, '{layer}' (layer {RANK[layer]}) "
+                            f"imports '{other}' (layer {RANK[other]})")
+        elif (layer, other) in FORBIDDEN:
+            problems.append(f"{where}:{line}: {text}: {FORBIDDEN[(layer, other)]}")
+    return problems
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_the_package_has_modules():
+    assert len(MODULES) > 20 and PACKAGE / "sim" / "engine.py" in MODULES
+
+
+def test_every_module_imports_only_downward():
+    problems = [p for path in MODULES for p in violations(path)]
+    assert not problems, "imports that break the layers of docs/design.md:\n" + "\n".join(problems)
+
+
+def test_known_exceptions_are_still_needed():
+    """A tolerated violation that disappeared must leave KNOWN, so it cannot come back unseen."""
+    for (file, other), _why in KNOWN.items():
+        path = REPO / file
+        module = module_name(path)
+        targets = {layer_of(t) for _, t, _ in imported(ast.parse(path.read_text()), module,
+                                                        path.name == "__init__.py") if t.startswith("hzpsim")}
+        assert other in targets, f"{file} no longer imports {other}: remove it from KNOWN"
+
+
+def test_the_layers_agree_with_design_md():
+    """The order docs/design.md states is the order checked here (names it does not list are
+    placed by this file alone)."""
+    text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    found = re.search(r"Layers import downward only:(.*?)\.\s", text, re.S)
+    assert found, "docs/design.md no longer states the layer order: update tests/test_layers_import.py"
+    groups = [re.findall(r"`([\w/]+)`", group) for group in found.group(1).split("<")]
+    assert all(groups) and len(groups) >= 5, groups
+    for group in groups:
+        for name in group:
+            assert name.strip("/") in RANK, f"docs/design.md names '{name}', which LAYERS does not place"
+        assert len({RANK[n.strip('/')] for n in group}) == 1, f"design.md puts {group} in one layer"
+    ranks = [RANK[group[0].strip("/")] for group in groups]
+    assert ranks == sorted(set(ranks)), f"design.md's order {groups} disagrees with LAYERS"
+
+
+# ------------------------------------------------------------------ the check catches what it names
+
+@pytest.mark.parametrize("file,source,expected", [
+    ("ops.py", "from hzpsim.sim.engine import simulate", "upward import, 'ops' (layer 1) imports 'sim'"),
+    ("strategies/zero.py", "def f():\n    from hzpsim import planner\n", "upward import, 'strategies'"),
+    ("cluster/topology.py", "from ..report import to_json", "upward import, 'cluster' (layer 2) imports 'report'"),
+    ("sim/engine.py", "from hzpsim.strategies import zero", "the engine never imports a strategy"),
+    ("strategies/_sharded.py", "import simpy", "simpy may be imported only in hzpsim/sim"),
+    ("report.py", "import matplotlib.pyplot as plt", "matplotlib may be imported only in hzpsim/plots"),
+    ("planner.py", "from torch import nn", "torch may be imported only in hzpsim/executor"),
+    ("report.py", "from hzpsim.newthing import x", "'newthing' is in no layer"),
+    ("newthing.py", "import os", "module layer 'newthing' is in no layer"),
+])
+def test_the_check_catches_each_kind_of_violation(file, source, expected):
+    problems = violations(PACKAGE / file, source)
+    assert len(problems) == 1 and expected in problems[0], problems
+    assert problems[0].startswith(f"hzpsim/{file}:"), problems  # names the offending file
+
+
+@pytest.mark.parametrize("file,source", [
+    ("cli.py", "from hzpsim import __version__, strategies, validation"),
+    ("report.py", "from hzpsim.sim.engine import Trace"),
+    ("strategies/zero.py", "from hzpsim.strategies import _family"),
+    ("sim/network.py", "import simpy"),
+    ("strategies/__init__.py", "from . import _family\nfrom ..config import ScenarioError"),
+])
+def test_the_check_allows_downward_and_same_layer_imports(file, source):
+    assert violations(PACKAGE / file, source) == []

@@ -223,19 +223,22 @@ def time_breakdown(trace: Trace, ops: list[Op], window: tuple[float, float]) -> 
     """Where one rank's step goes, instant by instant: ``compute.<category>`` while it computes
     (forward, backward, optimizer ...), ``exposed.<category>`` while it only communicates
     (param_gather, grad_reduce, tp, pp, cp, ep ...; shared equally among the categories in
-    flight), ``host`` while only the host thread works (launching, building list-form views,
-    waiting in a synchronisation), ``idle`` while it waits on other ranks (the pipeline
-    bubble). Sums to the step."""
+    flight), ``host`` while device work waits for the host thread to launch it (kernel
+    launches, list-form views and copies, a synchronisation), ``idle`` while it waits on other
+    ranks (the pipeline bubble). Sums to the step."""
     lo, hi = window
     edges: list[tuple[float, int, str]] = []  # (time, +1/-1, key)
     for op in ops:
+        if op.stream == HOST_STREAM:
+            continue
         start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
         if end > start:
-            if op.stream == HOST_STREAM:
-                key = "host"
-            else:
-                key = ("compute." if op.kind == COMPUTE else "exposed.") + op.category
+            key = ("compute." if op.kind == COMPUTE else "exposed.") + op.category
             edges += [(start, 1, key), (end, -1, key)]
+    for start, end in _host_waits(trace, ops):
+        start, end = max(start, lo), min(end, hi)
+        if end > start:
+            edges += [(start, 1, "host"), (end, -1, "host")]
     edges.sort()
     active: dict[str, int] = {}
     out: dict[str, float] = {}
@@ -252,6 +255,25 @@ def time_breakdown(trace: Trace, ops: list[Op], window: tuple[float, float]) -> 
         if key:
             active[key] = active.get(key, 0) + delta
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _host_waits(trace: Trace, ops: list[Op]) -> list[tuple[float, float]]:
+    """Intervals in which a device op was ready but for the host op that launches it (or the
+    host synchronisation before it): from when everything else it waits for was done to the
+    end of that host op."""
+    graph_ops, end_s = trace.graph.ops, trace.end_s
+    previous: dict[str, float] = {}
+    out = []
+    for op in ops:
+        if op.stream == HOST_STREAM:
+            continue
+        host_end = max((end_s[d] for d in op.deps if graph_ops[d].stream == HOST_STREAM), default=None)
+        others = max((end_s[d] for d in op.deps if graph_ops[d].stream != HOST_STREAM), default=0.0)
+        ready = max(others, previous.get(op.stream, 0.0))
+        if host_end is not None and host_end > ready:
+            out.append((ready, host_end))
+        previous[op.stream] = end_s[op.id]
+    return out
 
 
 def chrome_trace(trace: Trace, window: tuple[float, float] | None = None) -> dict[str, Any]:

@@ -34,12 +34,14 @@ BW, BG = 2, 4  # bytes per working parameter (bf16) and per gradient element (fp
 
 
 def scenario(strategy: dict, nodes: int = 1, micro_batch: int = 256, micro_batches: int = 2, cluster=None):
-    """tiny-dense on DGX H100 nodes; ``micro_batches`` micro-batches per step, 2 steps."""
+    """tiny-dense on DGX H100 nodes; ``micro_batches`` micro-batches per step, 2 steps. The
+    knobs' own mechanics: the ``ideal`` implementation (no host thread, no framework cap on the
+    prefetch depth) and no stragglers (``variability: 0``), unless a test says otherwise."""
     return scenario_from_mapping({
         "model": "tiny-dense",
         "training": {"global_batch_size": micro_batch * 8 * nodes * micro_batches, "micro_batch_size": micro_batch},
-        "cluster": {"preset": "dgx-h100", "num_nodes": nodes, **(cluster or {})},
-        "strategy": strategy,
+        "cluster": {"preset": "dgx-h100", "num_nodes": nodes, "variability": 0.0, **(cluster or {})},
+        "strategy": {"implementation": "ideal", **strategy},
     })
 
 

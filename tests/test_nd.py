@@ -191,7 +191,7 @@ def test_fsdp_with_tp_shards_each_tensor_parallel_shard_over_dp():
 
 
 def test_time_breakdown_accounts_for_the_whole_step_and_names_the_exposed_tp():
-    sc = scenario({"tp": 4, "pp": 2})
+    sc = scenario({"tp": 4, "pp": 2}, cluster={"variability": 0.0})  # idle = the bubble, no stragglers
     report = run_choice(sc, sc.strategies[0])
     parts = report["time_breakdown_s"]
     assert sum(parts.values()) == pytest.approx(report["step_time_s"])

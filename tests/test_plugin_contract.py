@@ -51,9 +51,6 @@ def test_every_rank_runs_an_optimizer_op_in_every_step(name):
     assert all(s == {0, 1, 2} for s in steps.values()), f"{name}: optimizer steps by rank {steps}"
 
 
-@pytest.mark.xfail(strict=True, reason="hzpsim list strategies crashes (IndexError: internal error, exit 1) "
-                                       "on a plugin whose module has no docstring; "
-                                       "cli._cmd_list takes .splitlines()[0] of an empty string")
 def test_list_strategies_survives_a_plugin_without_docstring(monkeypatch, capsys):
     @dataclasses.dataclass(frozen=True)
     class Config:

@@ -15,12 +15,14 @@ from hzpsim.strategies import zero
 
 
 def scenario(stage: int, nodes: int = 2, gbs: int = 32, **training):
+    """The ZeRO stages' own mechanics: the ``ideal`` implementation (one flat collective per
+    unit, no host thread) and no stragglers; tests/test_implementations.py covers the rest."""
     return scenario_from_mapping(
         {
             "model": "tiny-dense",
             "training": {"global_batch_size": gbs, **training},
-            "cluster": {"preset": "dgx-h100", "num_nodes": nodes},
-            "strategy": {"name": "zero", "stage": stage},
+            "cluster": {"preset": "dgx-h100", "num_nodes": nodes, "variability": 0.0},
+            "strategy": {"name": "zero", "stage": stage, "implementation": "ideal"},
         }
     )
 

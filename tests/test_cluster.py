@@ -7,7 +7,6 @@ Megatron-LM's ``initialize_model_parallel`` docstring.
 
 from __future__ import annotations
 
-import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -267,20 +266,15 @@ def test_span_levels_on_hzp_npu():
         t.span([0, 0])
 
 
-def test_span_16384_ranks_is_fast():
+def test_span_of_16384_ranks():
+    """(Its speed is a benchmark's business: benchmarks/bench_engine.py.)"""
     t = topo("dgx-h100", 2048)  # 16,384 devices, 64 leaves
-    ranks = list(range(16384))
-    t0 = time.perf_counter()
-    s = t.span(ranks)
-    first = time.perf_counter() - t0
+    s = t.span(list(range(16384)))
     assert (s.num_nodes, s.num_leaves, s.num_islands) == (2048, 64, 2048)
     assert s.outermost_level == "spine"
-    dp = tuple(range(3, 16384, 8))  # a DP group of a TP8 layout
-    t0 = time.perf_counter()
-    s = t.span(dp)
-    assert time.perf_counter() - t0 < 0.05
+    s = t.span(tuple(range(3, 16384, 8)))  # a DP group of a TP8 layout
     assert s.max_ranks_per_node == 1 and s.levels == ("leaf", "spine")
-    assert first < 0.05
+    assert t.span(range(3, 16384, 8)) == s  # the same group as a range
 
 
 # --- graph ------------------------------------------------------------------------------------
@@ -290,10 +284,7 @@ def test_span_16384_ranks_is_fast():
 def test_graph_16384_devices(preset, nodes):
     t = topo(preset, nodes)
     assert t.num_devices == 16384
-    t0 = time.perf_counter()
     g = t.graph
-    build_s = time.perf_counter() - t0
-    assert build_s < 1.0, build_s
     n_spine = 1 if t.num_leaves > 1 else 0
     assert g.number_of_nodes() == (
         t.num_devices + t.num_islands + t.num_nodes + t.num_leaves + n_spine

@@ -277,12 +277,13 @@ def test_context_parallel_divides_sequence():
 
 
 def test_activation_generalisation_gqa_swiglu_by_hand():
-    # llama2-70b, b=1, s=4096: replicated 10h (norm inputs 4h, QKV input 2h, MLP input 2h,
-    # two dropout masks 2h); split: Q 2h, K and V 2·(8·128) each, projection input 2h,
-    # SwiGLU gate/up/product 3·2·f. t=8 with SP divides everything by 8.
+    # llama2-70b (no dropout), b=1, s=4096: replicated 8h (norm inputs 4h, QKV input 2h, MLP
+    # input 2h); split: Q 2h, K and V 2·(8·128) each, projection input 2h, SwiGLU
+    # gate/up/product 3·2·f. t=8 with SP divides everything by 8.
     m = load("llama2-70b")
+    assert m.dropout is False
     h, f, s = 8192, 28672, 4096
-    per_token = 10 * h + (2 * h + 2 * 1024 * 2 + 2 * h) + 6 * f
+    per_token = 8 * h + (2 * h + 2 * 1024 * 2 + 2 * h) + 6 * f
     assert m.activation_bytes_per_layer(0, 1) == s * per_token
     assert m.activation_bytes_per_layer(0, 1, tp=8, sequence_parallel=True) == s * per_token / 8
 

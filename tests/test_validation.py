@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -250,3 +251,40 @@ def test_all_zero_family_rows_simulate():
     df = validate_published([c for c in rows_to_scenarios() if c.strategy_name == "zero"])
     assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["label", "reason"]]
     assert len(df) >= 77
+
+
+# ------------------------------------------------------------- golden: the package split
+# tests/golden/validation_published.{txt,json} were written by the single-module
+# hzpsim/validation.py (commit df33366) for these rows: every status (ok, skip, invalid), a
+# reported-only row, derived / assumed / caveat flags, nd and zero. The split into the
+# hzpsim/validation/ package must print the same table and the same JSON (bar sim_wall_s).
+GOLDEN_ROWS = [0, 10, 18, 27, 29, 47, 52, 95, 100, 128, 150, 156]
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def _normal(v):
+    """JSON minus the wall-clock column, floats to 10 significant digits."""
+    if isinstance(v, dict):
+        return {k: _normal(x) for k, x in v.items() if k != "sim_wall_s"}
+    if isinstance(v, list):
+        return [_normal(x) for x in v]
+    if isinstance(v, float):
+        return float(f"{v:.10g}")
+    return v
+
+
+@pytest.fixture(scope="module")
+def golden_run():
+    text, js = io.StringIO(), io.StringIO()
+    assert main_published(rows=GOLDEN_ROWS, out=text) == 0
+    assert main_published(rows=GOLDEN_ROWS, json=True, out=js) == 0
+    return text.getvalue(), json.loads(js.getvalue())
+
+
+def test_golden_table_unchanged(golden_run):
+    assert golden_run[0] == (GOLDEN / "validation_published.txt").read_text()
+
+
+def test_golden_json_unchanged(golden_run):
+    expected = json.loads((GOLDEN / "validation_published.json").read_text())
+    assert _normal(golden_run[1]) == expected

@@ -33,12 +33,14 @@ hzpsim/data/model_families.yaml), ``mapping`` (row -> scenario mapping, :class:`
 
 from hzpsim.validation.command import (
     add_arguments,
+    check_options,
     format_validation,
     main_published,
     run_from_args,
 )
 from hzpsim.validation.csvfile import (
     DEFAULT_CSV,
+    REQUIRED_COLUMNS,
     read_rows,
     rows_to_scenarios,
     select_cases,
@@ -64,11 +66,13 @@ from hzpsim.validation.run import COLUMNS, skip_category, summarize, validate_pu
 __all__ = [
     "COLUMNS",
     "DEFAULT_CSV",
+    "REQUIRED_COLUMNS",
     "STRATEGY_FAMILIES",
     "Case",
     "ModelFamily",
     "add_arguments",
     "case_from_row",
+    "check_options",
     "fam_of",
     "family_of",
     "format_validation",

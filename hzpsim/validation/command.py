@@ -5,6 +5,9 @@ Part of :mod:`hzpsim.validation`; the CLI calls :func:`add_arguments` and
 
     hzpsim validate published --source S09 --max-devices 8
     python -m hzpsim.validation --row 0 --row 52 --json
+
+Nonsense options (``--max-rows 0``, ``--row`` past the CSV's end, an unknown ``--family`` or
+``--source``, an unreadable ``--csv``) exit 2 with one line ``hzpsim: error: <option>: <problem>``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pandas as pd
 
 from hzpsim.config import ScenarioError
 from hzpsim.validation.csvfile import rows_to_scenarios, select_cases
-from hzpsim.validation.mapping import STRATEGY_FAMILIES
+from hzpsim.validation.mapping import STRATEGY_FAMILIES, Case
 from hzpsim.validation.run import summarize, validate_published
 
 
@@ -89,6 +92,38 @@ def _jsonable(v: Any) -> Any:
 
 
 
+def _check_positive(option: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise ScenarioError(f"{option}: {value} must be a positive whole number")
+
+
+def _check_names(option: str, given: Sequence[str] | None, known: Sequence[str], what: str) -> None:
+    """Every name of a repeatable name option must be known (case-insensitive)."""
+    folded = {k.lower() for k in known}
+    for name in given or ():
+        if name.lower() not in folded:
+            raise ScenarioError(f"{option}: unknown {what} {name!r} (known: {', '.join(known)})")
+
+
+def check_options(
+    cases: Sequence[Case],
+    families: Sequence[str] | None = None,
+    sources: Sequence[str] | None = None,
+    max_rows: int | None = None,
+    max_devices: int | None = None,
+    rows: Sequence[int] | None = None,
+) -> None:
+    """ScenarioError ``"<option>: <problem>"`` for a selection option that cannot mean anything
+    for these cases (the rows of one CSV)."""
+    _check_positive("--max-rows", max_rows)
+    _check_positive("--max-devices", max_devices)
+    _check_names("--family", families, STRATEGY_FAMILIES, "strategy family")
+    _check_names("--source", sources, sorted({c.source_id for c in cases}), "source")
+    for r in rows or ():
+        if not 0 <= r < len(cases):
+            raise ScenarioError(f"--row: {r} is not a row of the CSV (0..{len(cases) - 1})")
+
+
 def main_published(
     csv_path: str | Path | None = None,
     families: Sequence[str] | None = None,
@@ -100,11 +135,15 @@ def main_published(
     out: Any = None,
 ) -> int:
     """``hzpsim validate published``: print the table (or JSON {rows, summary}); exit code 0,
-    2 when the CSV cannot be read."""
+    2 (one line on stderr) when the CSV cannot be read or an option is nonsense."""
     out = out or sys.stdout
     try:
-        cases = rows_to_scenarios(csv_path)
-    except (ScenarioError, OSError, pd.errors.ParserError) as exc:
+        try:
+            cases = rows_to_scenarios(csv_path)
+        except ScenarioError as exc:
+            raise ScenarioError(f"--csv: {exc}") from None
+        check_options(cases, families, sources, max_rows, max_devices, rows)
+    except ScenarioError as exc:
         print(f"hzpsim: error: {exc}", file=sys.stderr)
         return 2
     selected = select_cases(cases, families, sources, max_devices, max_rows, rows)

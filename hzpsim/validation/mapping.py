@@ -147,6 +147,18 @@ def fam_of(row: dict[str, Any]) -> str:
     return model_family(cell_text(row, "model_name"))
 
 
+def _given_or_default(row: dict[str, Any], col: str, default: int | None, why: str, notes: list[str]) -> int:
+    """The column as an int; when blank, the family's ``default`` (noted as ``"<col> blank ->
+    <why>"``), or a skip when the family has none."""
+    v = whole(row, col)
+    if v is not None:
+        return v
+    if default is None:
+        raise RowSkipped(f"{col}: not given")
+    notes.append(f"{col} blank -> {why}")
+    return default
+
+
 def map_model(row: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The ``model:`` mapping of a row: its dimensions plus its family's architecture."""
     name = cell_text(row, "model_name")
@@ -160,18 +172,11 @@ def map_model(row: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     layers = need_whole(row, "n_layers")
     hidden = need_whole(row, "hidden")
     heads = need_whole(row, "n_heads")
-    ffn = whole(row, "ffn_hidden")
-    if ffn is None:
-        if fam.blank_ffn_hidden_multiple is None:
-            raise RowSkipped("ffn_hidden: not given")
-        ffn = fam.blank_ffn_hidden_multiple * hidden
-        notes.append(f"ffn_hidden blank -> {fam.blank_ffn_hidden_multiple}*hidden ({fam.blank_ffn_hidden_why})")
-    vocab = whole(row, "vocab")
-    if vocab is None:
-        if fam.blank_vocab_size is None:
-            raise RowSkipped("vocab: not given")
-        vocab = fam.blank_vocab_size
-        notes.append(f"vocab blank -> {vocab} ({fam.blank_vocab_why})")
+    k = fam.blank_ffn_hidden_multiple
+    ffn = _given_or_default(row, "ffn_hidden", None if k is None else k * hidden,
+                            f"{k}*hidden ({fam.blank_ffn_hidden_why})", notes)
+    vocab = _given_or_default(row, "vocab", fam.blank_vocab_size,
+                              f"{fam.blank_vocab_size} ({fam.blank_vocab_why})", notes)
     m: dict[str, Any] = {
         "name": name,
         "num_layers": layers,

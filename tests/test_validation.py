@@ -394,3 +394,32 @@ def test_required_columns_are_all_the_mapping_reads(cases, header):
     for i, row in enumerate(read_rows()):
         cut = {k: row[k] for k in REQUIRED_COLUMNS}
         assert case_from_row(cut, i) == cases[i], i
+
+
+# ----------------------------------------------------- model_families.yaml (workload data)
+
+
+def test_every_family_architecture_is_a_valid_model():
+    from hzpsim.config import from_mapping
+    from hzpsim.model import Model
+    from hzpsim.validation import model_families
+
+    dims = {"num_layers": 2, "hidden_size": 256, "num_heads": 2, "ffn_hidden_size": 1024,
+            "vocab_size": 1000, "seq_len": 128}
+    names = []
+    for fam in model_families():
+        names.append(fam.name)
+        assert fam.name_prefixes and all(p == p.lower() for p in fam.name_prefixes), fam.name
+        assert (fam.preset is None) != (not fam.architecture), fam.name  # exactly one of the two
+        if fam.architecture:
+            from_mapping(Model, {**dims, **fam.architecture}, "model")
+    assert names[-1] == "gpt" and len(set(names)) == len(names)
+
+
+def test_families_yaml_unknown_key_is_refused(tmp_path):
+    from hzpsim.validation import model_families
+
+    bad = tmp_path / "families.yaml"
+    bad.write_text("families:\n  - {name: x, name_prefixes: [x], architecture: {}, tide: true}\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        model_families(bad)

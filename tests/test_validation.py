@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -14,7 +15,9 @@ from hzpsim import strategies
 from hzpsim.scenario import scenario_from_mapping
 from hzpsim.validation import (
     DEFAULT_CSV,
+    REQUIRED_COLUMNS,
     case_from_row,
+    check_options,
     format_validation,
     main_published,
     map_precision,
@@ -259,3 +262,173 @@ def test_all_zero_family_rows_simulate():
     df = validate_published([c for c in rows_to_scenarios() if c.strategy_name == "zero"])
     assert (df["status"] == "ok").all(), df[df["status"] != "ok"][["label", "reason"]]
     assert len(df) >= 77
+
+
+# ------------------------------------------------------------- golden: the package split
+# tests/golden/validation_published.{txt,json} were written by the single-module
+# hzpsim/validation.py (commit df33366) for these rows: every status (ok, skip, invalid), a
+# reported-only row, derived / assumed / caveat flags, nd and zero. The split into the
+# hzpsim/validation/ package must print the same table and the same JSON (bar sim_wall_s).
+GOLDEN_ROWS = [0, 10, 18, 27, 29, 47, 52, 95, 100, 128, 150, 156]
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+def _normal(v):
+    """JSON minus the wall-clock column, floats to 10 significant digits."""
+    if isinstance(v, dict):
+        return {k: _normal(x) for k, x in v.items() if k != "sim_wall_s"}
+    if isinstance(v, list):
+        return [_normal(x) for x in v]
+    if isinstance(v, float):
+        return float(f"{v:.10g}")
+    return v
+
+
+@pytest.fixture(scope="module")
+def golden_run():
+    text, js = io.StringIO(), io.StringIO()
+    assert main_published(rows=GOLDEN_ROWS, out=text) == 0
+    assert main_published(rows=GOLDEN_ROWS, json=True, out=js) == 0
+    return text.getvalue(), json.loads(js.getvalue())
+
+
+def test_golden_table_unchanged(golden_run):
+    assert golden_run[0] == (GOLDEN / "validation_published.txt").read_text()
+
+
+def test_golden_json_unchanged(golden_run):
+    expected = json.loads((GOLDEN / "validation_published.json").read_text())
+    assert _normal(golden_run[1]) == expected
+
+
+# ------------------------------------------------------------ nonsense options: exit 2
+# Each was accepted before (zero cases and exit 0, a silently dropped row, or exit 1 with a
+# pandas traceback message). validate_published is replaced by a tripwire, so a check that
+# stops working fails at once instead of simulating the whole CSV.
+
+HEADER = ",".join(REQUIRED_COLUMNS)
+
+
+def _bad_csvs(tmp: Path) -> dict[str, tuple[Path, str]]:
+    """{name: (file, words the message must contain)}."""
+    files = {
+        "empty": (b"", "empty file"),
+        "blank_lines": (b"\n\n  \n", "empty file"),
+        "binary": (bytes(range(256)) * 4, "binary file"),
+        "latin1": ("source_id,notes\nS01,caf\xe9\n".encode("latin-1"), "not UTF-8"),
+        "missing_columns": (b"source_id,gpu\nS01,A100\n", "missing required columns: system,"),
+        "header_only": ((HEADER + "\n").encode(), "no data rows"),
+        "ragged": ("\n".join([HEADER, ",".join(["1"] * len(REQUIRED_COLUMNS)),
+                               ",".join(["1"] * (len(REQUIRED_COLUMNS) + 3))]).encode(), "not a valid CSV"),
+    }
+    out = {}
+    for name, (data, words) in files.items():
+        f = tmp / f"{name}.csv"
+        f.write_bytes(data)
+        out[name] = (f, words)
+    out["directory"] = (tmp, "is a directory")
+    out["missing_file"] = (tmp / "nosuch.csv", "no such file")
+    return out
+
+
+BAD_OPTIONS = [
+    (["--max-rows", "-1"], "--max-rows", "-1 must be a positive"),
+    (["--max-rows", "0"], "--max-rows", "0 must be a positive"),
+    (["--max-devices", "-5"], "--max-devices", "-5 must be a positive"),
+    (["--max-devices", "0"], "--max-devices", "0 must be a positive"),
+    (["--row", "99999"], "--row", "99999 is not a row of the CSV (0..191)"),
+    (["--row", "192"], "--row", "192 is not a row"),
+    (["--row", "-1"], "--row", "-1 is not a row"),
+    (["--row", "3", "--row", "-1"], "--row", "-1 is not a row"),
+    (["--family", "nosuch"], "--family", "unknown strategy family 'nosuch' (known: nd, fsdp, zero2, zero3, zeropp)"),
+    (["--family", "fsdp", "--family", "zero4"], "--family", "'zero4'"),
+    (["--source", "nosuch"], "--source", "unknown source 'nosuch' (known: S01, S03,"),
+    (["--source", "S09", "--source", "S99"], "--source", "'S99'"),
+]
+
+
+@pytest.fixture
+def tripwire(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("validated despite a nonsense option")
+
+    monkeypatch.setattr("hzpsim.validation.command.validate_published", fail)
+
+
+def _cli_error(argv, capsys):
+    from hzpsim.cli import main
+
+    code = main(["validate", "published", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(("argv", "option", "problem"), BAD_OPTIONS, ids=[" ".join(a[0]) for a in BAD_OPTIONS])
+def test_nonsense_option_exits_2(argv, option, problem, tripwire, cases, monkeypatch, capsys):
+    # the packaged CSV's cases, mapped once per module instead of once per case (~1 s each)
+    monkeypatch.setattr("hzpsim.validation.command.rows_to_scenarios", lambda path: cases)
+    code, out, err = _cli_error(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"hzpsim: error: {option}: ") and err.count("\n") == 1, err
+    assert problem in err, err
+
+
+@pytest.mark.parametrize("name", ["empty", "blank_lines", "binary", "latin1", "missing_columns", "header_only",
+                                  "ragged", "directory", "missing_file"])
+def test_bad_csv_exits_2(name, tmp_path, tripwire, capsys):
+    file, words = _bad_csvs(tmp_path)[name]
+    code, out, err = _cli_error(["--csv", str(file)], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"hzpsim: error: --csv: {file}: ") and err.count("\n") == 1, err
+    assert words in err, err
+
+
+def test_non_integer_option_is_an_argparse_error(capsys):
+    from hzpsim.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["validate", "published", "--max-rows", "many"])
+    assert exc.value.code == 2 and "--max-rows" in capsys.readouterr().err
+
+
+def test_sensible_options_pass_the_checks(cases):
+    check_options(cases, families=["FSDP", "nd"], sources=["s09", "S01"], max_rows=1, max_devices=1,
+                  rows=[0, 191])
+    check_options(cases)
+
+
+def test_required_columns_are_all_the_mapping_reads(cases, header):
+    # the packaged CSV has them, and a row cut down to them maps exactly as the whole row
+    assert set(REQUIRED_COLUMNS) <= set(header)
+    for i, row in enumerate(read_rows()):
+        cut = {k: row[k] for k in REQUIRED_COLUMNS}
+        assert case_from_row(cut, i) == cases[i], i
+
+
+# ----------------------------------------------------- model_families.yaml (workload data)
+
+
+def test_every_family_architecture_is_a_valid_model():
+    from hzpsim.config import from_mapping
+    from hzpsim.model import Model
+    from hzpsim.validation import model_families
+
+    dims = {"num_layers": 2, "hidden_size": 256, "num_heads": 2, "ffn_hidden_size": 1024,
+            "vocab_size": 1000, "seq_len": 128}
+    names = []
+    for fam in model_families():
+        names.append(fam.name)
+        assert fam.name_prefixes and all(p == p.lower() for p in fam.name_prefixes), fam.name
+        assert (fam.preset is None) != (not fam.architecture), fam.name  # exactly one of the two
+        if fam.architecture:
+            from_mapping(Model, {**dims, **fam.architecture}, "model")
+    assert names[-1] == "gpt" and len(set(names)) == len(names)
+
+
+def test_families_yaml_unknown_key_is_refused(tmp_path):
+    from hzpsim.validation import model_families
+
+    bad = tmp_path / "families.yaml"
+    bad.write_text("families:\n  - {name: x, name_prefixes: [x], architecture: {}, tide: true}\n")
+    with pytest.raises(ValueError, match="unknown keys"):
+        model_families(bad)

@@ -1,0 +1,460 @@
+"""Published CSV row -> scenario mapping (or the reason it cannot be simulated yet).
+
+Part of :mod:`hzpsim.validation`. Every rule is documented next to the code that applies it
+and in docs/validation.md §2; per-family model architecture lives in
+hzpsim/data/model_families.yaml (:mod:`hzpsim.validation.families`).
+
+    from hzpsim.validation.mapping import case_from_row
+    case = case_from_row(row, 0)     # row: {column: value} of published_calibration.csv
+    case.scenario_mapping, case.skip_reason, case.assumptions
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from hzpsim import strategies
+from hzpsim.cluster.devices import get_device
+from hzpsim.cluster.topology import preset_spec
+from hzpsim.config import ScenarioError, from_mapping
+from hzpsim.model import Model
+from hzpsim.validation.cells import RowSkipped, blank, cell_text, need_whole, number, whole
+from hzpsim.validation.families import family_of
+from hzpsim.validation.measured import measured_values
+
+STRATEGY_FAMILIES = ("nd", "fsdp", "zero2", "zero3", "zeropp")
+"""Values of the CSV's ``strategy_family`` column that :func:`map_strategy` knows."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One CSV row: the scenario it maps to, or why it cannot be simulated yet.
+
+    ``measured`` holds ``tokens_per_s_per_gpu``, ``step_time_s``, ``tflops_per_gpu``, ``mfu``
+    (as the source reports them; None when absent), ``hfu_reported`` (parsed from the notes),
+    ``tflops_convention`` (how the source counts FLOPs), ``basis`` ("throughput": a
+    convention-free number exists, "reported_only": only an MFU/TFLOP/s of another convention,
+    "none") and ``derived`` ({metric: how it was derived} for every value not given directly).
+    """
+
+    source_id: str
+    """The CSV's ``source_id`` (``S01`` ...)."""
+    row_index: int
+    """0-based index of the row in the CSV (``--row``)."""
+    label: str
+    """``S09#52 MPT-1b 8xH100-80GB``: source, row, model, devices."""
+    scenario_mapping: dict[str, Any] | None
+    """The scenario mapping (model, training, cluster, strategy); None when the row cannot
+    be mapped."""
+    skip_reason: str | None
+    """Why the row is not simulated (names the column), or None."""
+    measured: dict[str, Any]
+    """Measured and derived values (see the class docstring)."""
+    family: str = ""
+    """The CSV's ``strategy_family``."""
+    system: str = ""
+    """The CSV's ``system`` (framework)."""
+    n_gpus: int | None = None
+    """Devices of the run; None when the CSV does not say."""
+    assumptions: tuple[str, ...] = ()
+    """Defaults and imputations applied to blank columns."""
+    caveats: tuple[str, ...] = ()
+    """What the simulator does not model about this run."""
+
+    @property
+    def strategy_name(self) -> str | None:
+        """The mapped strategy's name; None when unmapped."""
+        if self.scenario_mapping is None:
+            return None
+        return self.scenario_mapping["strategy"]["name"]
+
+    @property
+    def runnable(self) -> bool:
+        """Mapped, and the strategy is implemented."""
+        return self.scenario_mapping is not None and self.skip_reason is None
+
+
+# ------------------------------------------------------------------------- mapping rules
+
+# Device from the `gpu` column (first match wins). Rule: the catalog entry of the same chip;
+# memory variants the catalog lacks map to the nearest entry and are recorded as a caveat.
+_GPU_RULES: tuple[tuple[str, str], ...] = (
+    ("mi250x", "mi250x"),  # "MI250X (per GCD)": one device = one GCD, as the catalog
+    ("v100", "v100"),  # V100 / V100-32GB (DGX-2)
+    ("h200", "h200"),
+    ("h100", "h100-sxm"),  # H100-SXM-80GB, H100-80GB (LLM-Foundry, assumed SXM), H100-96GB Grand Teton
+    ("40gb", "a100-40gb"),
+    ("p4d", "a100-40gb"),  # AWS p4d.24xlarge = 8x A100 40GB (p4de is the 80GB one)
+    ("a100", "a100-80gb"),  # A100-80GB, A100-SXM4-80GB, NDm A100 v4
+)
+
+
+def map_device(gpu: str) -> tuple[str, list[str]]:
+    g = gpu.lower()
+    caveats: list[str] = []
+    for key, name in _GPU_RULES:
+        if key in g:
+            if "96gb" in g:
+                caveats.append(
+                    "H100 96GB HBM2e @500W (Grand Teton) simulated as h100-sxm with 96 GB "
+                    "(cluster.device_memory_bytes) but the 700 W SXM peak and HBM3 bandwidth "
+                    "(throughput optimistic): the 500 W figures are not published"
+                )
+            return name, caveats
+    raise RowSkipped(f"gpu: unknown device {gpu!r}")
+
+
+def map_precision(text: str, device: str) -> tuple[str, list[str]]:
+    """fp8* -> fp8, fp16* -> fp16, bf16* -> bf16. 'mixed (fp16/bf16 not stated)' and blank ->
+    bf16 (fp16 on V100, which has no bf16 tensor cores): fp16 and bf16 have the same dense peak
+    on every other catalog device, so the choice does not change a prediction."""
+    t = text.lower()
+    for p in ("fp8", "fp16", "bf16"):
+        if t.startswith(p):
+            return p, []
+    fallback = "fp16" if device == "v100" else "bf16"
+    what = f"precision {text!r}" if t else "precision blank"
+    return fallback, [f"{what} -> {fallback} (same peak as the alternative on this device)"]
+
+
+def map_recompute(text: str) -> tuple[str, list[str]]:
+    """full* -> full, selective* -> selective, none -> none; blank -> none, the default of
+    Megatron-LM, NeMo, torchtitan and DeepSpeed when no checkpointing flag is given. MFU on the
+    PaLM basis does not depend on it; predicted time does."""
+    t = text.lower()
+    for mode in ("full", "selective", "none"):
+        if t.startswith(mode):
+            notes = []
+            if "per-op sac" in t or "toml" in t:
+                notes.append(
+                    f"act_recompute {text!r}: torchtitan selective AC (saves matmul outputs, "
+                    "recomputes the rest) simulated as Korthikanti-selective (attention core)"
+                )
+            return mode, notes
+    return "none", ["act_recompute blank -> none (framework default without a checkpointing flag)"]
+
+
+
+def model_family(name: str) -> str:
+    """The family key of a ``model_name`` (rules in hzpsim/data/model_families.yaml)."""
+    return family_of(name).name
+
+
+def fam_of(row: dict[str, Any]) -> str:
+    """The family key of a row's ``model_name``."""
+    return model_family(cell_text(row, "model_name"))
+
+
+def _given_or_default(row: dict[str, Any], col: str, default: int | None, why: str, notes: list[str]) -> int:
+    """The column as an int; when blank, the family's ``default`` (noted as ``"<col> blank ->
+    <why>"``), or a skip when the family has none."""
+    v = whole(row, col)
+    if v is not None:
+        return v
+    if default is None:
+        raise RowSkipped(f"{col}: not given")
+    notes.append(f"{col} blank -> {why}")
+    return default
+
+
+def map_model(row: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The ``model:`` mapping of a row: its dimensions plus its family's architecture."""
+    name = cell_text(row, "model_name")
+    fam = family_of(name)
+    seq = need_whole(row, "seq_len")
+    notes: list[str] = []
+    if fam.preset is not None:
+        return {"preset": fam.preset, "name": name, "seq_len": seq}, [
+            f"architecture from workload preset {fam.preset!r} (CSV dims blank)"
+        ]
+    layers = need_whole(row, "n_layers")
+    hidden = need_whole(row, "hidden")
+    heads = need_whole(row, "n_heads")
+    k = fam.blank_ffn_hidden_multiple
+    ffn = _given_or_default(row, "ffn_hidden", None if k is None else k * hidden,
+                            f"{k}*hidden ({fam.blank_ffn_hidden_why})", notes)
+    vocab = _given_or_default(row, "vocab", fam.blank_vocab_size,
+                              f"{fam.blank_vocab_size} ({fam.blank_vocab_why})", notes)
+    m: dict[str, Any] = {
+        "name": name,
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_heads": heads,
+        "ffn_hidden_size": ffn,
+        "vocab_size": vocab,
+        "seq_len": seq,
+    }
+    kv = whole(row, "n_kv_heads")
+    if kv is not None and kv != heads:
+        m["num_kv_heads"] = kv
+    m.update(fam.architecture)
+    experts, topk = whole(row, "moe_experts"), whole(row, "moe_topk")
+    if experts:
+        if not topk:
+            raise RowSkipped("moe_topk: not given for an MoE row")
+        # the CSV's ffn_hidden is the per-expert size for MoE rows (notes of S11/S12)
+        m["moe"] = {"num_experts": experts, "top_k": topk, "expert_ffn_hidden_size": ffn}
+    return m, notes
+
+
+# Inter-node bandwidth per device from the `inter_node` text (bytes/s, one direction).
+def parse_inter_node(text: str, gpus_per_node: int) -> float | None:
+    t = text.lower().replace("gbps", "gb/s")
+    if not t:
+        return None
+    if "omni-path" in t or "opa" in t:
+        m = re.search(r"(\d+)\s*links", t)
+        links = int(m.group(1)) if m else 1
+        return links * 100e9 / 8 / gpus_per_node  # Omni-Path 100 Gb/s per link
+    m = re.search(r"(\d+)\s*x\s*(?:slingshot[-\w]*\s*)?(\d+)\s*gb/s", t)
+    if m:
+        count, rate = int(m.group(1)), float(m.group(2))
+        if "per gpu" in t or "1 per gpu" in t:
+            return rate * 1e9 / 8
+        return count * rate * 1e9 / 8 / gpus_per_node  # per node (or per VM = node)
+    m = re.search(r"(\d+)\s*gb/s", t)
+    if m:
+        rate = float(m.group(1))
+        if "per gpu" in t:
+            return rate * 1e9 / 8
+        if "node-to-node" in t or "per node" in t:
+            return rate * 1e9 / 8 / gpus_per_node
+        return rate * 1e9 / 8
+    return None
+
+
+def map_cluster(row: dict[str, Any], device: str, n_gpus: int) -> tuple[dict[str, Any], list[str]]:
+    """Device's usual fabric (its default preset); gpus_per_node and NIC bandwidth overridden
+    only where the row states a different value; num_nodes = n_gpus / gpus_per_node."""
+    preset = get_device(device).default_cluster_preset
+    base = preset_spec(preset)
+    gpn = whole(row, "gpus_per_node") or int(base.gpus_per_node)  # type: ignore[arg-type]
+    if n_gpus % gpn:
+        raise RowSkipped(f"n_gpus: {n_gpus} is not a multiple of gpus_per_node {gpn}")
+    cluster: dict[str, Any] = {"device": device, "num_nodes": n_gpus // gpn}
+    notes: list[str] = []
+    memory_gb = re.search(r"(\d+)\s*gb", cell_text(row, "gpu").lower())
+    if memory_gb and abs(float(memory_gb.group(1)) * 1e9 - get_device(device).memory_bytes) > 1e9:
+        cluster["device_memory_bytes"] = float(memory_gb.group(1)) * 1e9
+    if gpn != base.gpus_per_node:
+        cluster["gpus_per_node"] = gpn
+    text = cell_text(row, "inter_node")
+    nic = parse_inter_node(text, gpn)
+    base_nic = float(base.inter_node_bytes_per_s_per_device)  # type: ignore[arg-type]
+    if nic is not None and abs(nic - base_nic) > 1e-6 * base_nic:
+        cluster["inter_node_bytes_per_s_per_device"] = nic
+    if not text and n_gpus > gpn:
+        notes.append(f"inter_node blank -> {preset} preset NIC ({base_nic / 1e9:g} GB/s per device)")
+    return cluster, notes
+
+
+def _sequence_parallel(row: dict[str, Any], tp: int) -> bool:
+    """True when the notes say SP is on ('selective+SP', 'sequence parallel on'), false when
+    they say it is off; otherwise true for TP > 1 under Megatron-Core / NeMo / Megatron-Bridge
+    (their recipes and --tp-comm-overlap require it) and torchtitan (its TP plan shards norms
+    over the sequence), false for older Megatron-LM / DeepSpeed / metaseq."""
+    notes = cell_text(row, "notes").lower()
+    if "no sequence parallel" in notes:
+        return False
+    if "+sp" in notes or "sequence parallel on" in notes:
+        return True
+    system = cell_text(row, "system").lower()
+    modern = any(k in system for k in ("megatron-core", "nemo", "megatron-bridge", "torchtitan"))
+    return tp > 1 and modern
+
+
+def _pre_flash_attention(row: dict[str, Any]) -> bool:
+    """Runs that predate FlashAttention in their framework materialise the s x s scores (fused
+    softmax + dropout): Megatron-LM 2021-22 (SC'21, Korthikanti), Megatron-DeepSpeed (BLOOM,
+    DeepSpeed-Azure), metaseq (OPT), DeepSpeed ZeRO-3(-Offload)/ZeRO++ blog runs and the
+    PyTorch 1.11 FSDP prototype. Everything later (Megatron-Core, NeMo, torchtitan,
+    LLM-Foundry 'flash attn') uses flash attention, the schema default."""
+    system = cell_text(row, "system").lower()
+    return system == "megatron-lm" or any(
+        k in system for k in ("megatron-deepspeed", "deepspeed zero", "metaseq", "1.11 prototype"))
+
+
+def _grad_dtype(row: dict[str, Any]) -> str | None:
+    """Dtype gradients are reduced in: LLM-Foundry 'PURE' mixed precision reduces in bf16;
+    DeepSpeed fp16 reduces in fp16 (its communication_data_type defaults to the working dtype;
+    the bf16 optimizer accumulates in fp32); everyone else here keeps fp32 (FSDP
+    'DEFAULT' reduce_dtype fp32, Megatron fp32 main grads, torchtitan reduce_dtype fp32)."""
+    prec, system = cell_text(row, "precision").lower(), cell_text(row, "system").lower()
+    if "pure" in prec or ("deepspeed" in system and prec.startswith("fp16")):
+        return "bf16"
+    return None  # schema default fp32
+
+
+def map_strategy(row: dict[str, Any], n_gpus: int, gpus_per_node: int) -> tuple[dict[str, Any], list[str]]:
+    family = cell_text(row, "strategy_family")
+    notes: list[str] = []
+    system = cell_text(row, "system").lower()
+    tp, pp, cp, ep = (whole(row, c, 1) or 1 for c in ("tp", "pp", "cp", "ep"))
+    if family == "nd" and (blank(row.get("tp")) or blank(row.get("pp"))):
+        raise RowSkipped(f"{'tp' if blank(row.get('tp')) else 'pp'}: not given (parallel layout unknown)")
+    dp = whole(row, "dp")
+    if dp is None:
+        if n_gpus % (tp * pp * cp):
+            raise RowSkipped(f"dp: not given and n_gpus {n_gpus} not divisible by tp*pp*cp")
+        dp = n_gpus // (tp * pp * cp)
+        notes.append("dp blank -> n_gpus/(tp*pp*cp)")
+    if tp * pp * cp * dp != n_gpus:
+        raise RowSkipped(f"dp: tp*pp*cp*dp = {tp * pp * cp * dp} != n_gpus {n_gpus}")
+    zs = whole(row, "zero_stage")
+    if family in ("fsdp", "zero3", "zero2"):
+        stage = 2 if family == "zero2" else (zs if zs in (2, 3) else 3)
+        if tp > 1 or pp > 1 or cp > 1 or ep > 1:
+            family = "nd"  # FSDP composed with TP/PP/CP (metaseq, Megatron-FSDP + TP, ...)
+            zs = stage
+            notes.append(f"FSDP with tp/pp/cp > 1 -> nd with zero_stage {stage}")
+        else:
+            sg_text = cell_text(row, "sharding_group")
+            sg = int(sg_text) if sg_text.isdigit() else None
+            if sg is not None and sg < dp:
+                if dp % sg:
+                    raise RowSkipped(f"sharding_group: {sg} does not divide dp {dp}")
+                return {"name": "hsdp", "shard_group_size": sg}, notes
+            s: dict[str, Any] = {"name": "zero", "stage": stage}
+            if "fsdp" in system and stage == 2:
+                # FSDP SHARD_GRAD_OP gathers each unit just before its forward (with
+                # prefetch), not all at once after the optimizer as DeepSpeed stage 2
+                s["overlap_param_gather"] = True
+            return s, notes
+    if family == "zeropp":
+        # ZeRO++ = ZeRO-3 + qwZ (int8 weight all-gather) + hpZ (secondary bf16 copy of the
+        # weights sharded inside one node) + qgZ (int4 hierarchical gradient reduce-scatter).
+        # Field names are hzpsim.strategies.zeropp.Config's; hpZ secondary group = one node (paper).
+        return {
+            "name": "zeropp",
+            "hpz_partition_size": gpus_per_node,
+            "quantized_weights": True,
+            "quantized_gradients": True,
+        }, notes
+    if family != "nd":
+        raise RowSkipped(f"strategy_family: unknown family {family!r}")
+    if zs is None:
+        # Megatron-Core / NeMo / Megatron-Bridge recipes use the distributed optimizer
+        zs = 1 if any(k in system for k in ("megatron-core", "nemo", "megatron-bridge")) else 0
+        notes.append(f"zero_stage blank -> {zs} ({'distributed optimizer, NeMo/MCore default' if zs else 'plain DP'})")
+    vpp = whole(row, "vpp", 1) or 1
+    return {
+        "name": "nd",
+        "tp": tp,
+        "pp": pp,
+        "dp": dp,
+        "cp": cp,
+        "ep": ep,
+        "vpp": vpp,
+        "zero_stage": zs,
+        "sequence_parallel": _sequence_parallel(row, tp),
+    }, notes
+
+
+# --------------------------------------------------------------------------- rows -> cases
+
+
+def _label(row: dict[str, Any], i: int) -> str:
+    n = whole(row, "n_gpus")
+    gpu = cell_text(row, "gpu").split(" ")[0]
+    return f"{cell_text(row, 'source_id')}#{i} {cell_text(row, 'model_name')} {n if n else '?'}x{gpu}"
+
+
+def _param_check(model_map: dict[str, Any], row: dict[str, Any]) -> str | None:
+    """Compare the mapped model's parameter count with the CSV's n_params_b (>10 % off -> caveat)."""
+    published = number(row, "n_params_b")
+    if not published:
+        return None
+    if "preset" in model_map:
+        return None  # shipped presets carry their own checked parameter counts
+    try:
+        model = from_mapping(Model, model_map, "model")
+    except (ScenarioError, ValueError) as exc:
+        raise RowSkipped(f"model: {exc}") from None
+    ours = model.num_params() / 1e9
+    if abs(ours - published) > 0.10 * published:
+        return f"mapped model has {ours:.1f}B parameters, CSV n_params_b says {published:g}B"
+    return None
+
+
+def case_from_row(row: dict[str, Any], index: int) -> Case:
+    """Map one CSV row (a dict of column -> value) to a Case."""
+    source = cell_text(row, "source_id")
+    family = cell_text(row, "strategy_family")
+    measured = measured_values(row)
+    n_gpus = whole(row, "n_gpus") if not blank(row.get("n_gpus")) else None
+    common = dict(family=family, system=cell_text(row, "system"), n_gpus=n_gpus)
+    assumptions: list[str] = []
+    caveats: list[str] = []
+    try:
+        if n_gpus is None:
+            raise RowSkipped("n_gpus: not given")
+        if measured["basis"] == "none":
+            raise RowSkipped("measured_*: no measurement in the row")
+        device, c = map_device(cell_text(row, "gpu"))
+        caveats += c
+        model, a = map_model(row)
+        assumptions += a
+        gbs = need_whole(row, "global_batch_seqs")
+        cluster, a = map_cluster(row, device, n_gpus)
+        assumptions += a
+        gpn = int(cluster.get("gpus_per_node") or preset_spec(get_device(device).default_cluster_preset).gpus_per_node)  # type: ignore[arg-type]
+        strategy, a = map_strategy(row, n_gpus, gpn)
+        assumptions += a
+        precision, a = map_precision(cell_text(row, "precision"), device)
+        assumptions += a
+        recompute, a = map_recompute(cell_text(row, "act_recompute"))
+        assumptions += a
+        mbs = whole(row, "micro_batch")
+        if mbs is None:
+            dp = strategy.get("dp", n_gpus)
+            if strategy.get("pp", 1) > 1 or gbs % dp:
+                mbs = 1
+                assumptions.append("micro_batch blank -> 1")
+            else:
+                mbs = gbs // dp
+                assumptions.append("micro_batch blank -> GBS/dp (no gradient accumulation)")
+        training: dict[str, Any] = {
+            "global_batch_size": gbs,
+            "micro_batch_size": mbs,
+            "precision": precision,
+            "activation_recompute": recompute,
+        }
+        grad = _grad_dtype(row)
+        if grad:
+            training["grad_dtype"] = grad
+        if _pre_flash_attention(row):
+            training["flash_attention"] = False
+        if "amp" in cell_text(row, "precision").lower():
+            training["autocast"] = True
+            assumptions.append("precision 'amp': torch.autocast (fp32 residual stream, casts before GEMMs)")
+        mapping = {"model": model, "training": training, "cluster": cluster, "strategy": strategy}
+        measured = measured_values(row, model)
+        note = _param_check(model, row)
+        if note and model.get("tied_embeddings") and family_of(cell_text(row, "model_name")).untie_when_size_mismatch:
+            # Megatron-Core GPT runs use --untie-embeddings-and-output-weights: keep the
+            # untied variant when it matches the published size and the tied one does not
+            untied = {**model, "tied_embeddings": False}
+            if _param_check(untied, row) is None:
+                model = mapping["model"] = untied
+                note = None
+                assumptions.append("untied LM head: the tied GPT variant misses CSV n_params_b by >10 %, the untied one matches")
+        if note:
+            caveats.append(note)
+        text = (cell_text(row, "notes") + " " + cell_text(row, "system")).lower()
+        if "offload" in text:
+            caveats.append("CPU offload of optimizer states / activations is not modelled")
+        if strategy.get("tp", 1) > 1 and ("async tp" in text or "asynctp" in text or "tp-comm-overlap" in text):
+            caveats.append("TP communication/compute overlap (async TP / tp-comm-overlap) is not modelled")
+        if "peak" in cell_text(row, "notes").lower() and "not average" in cell_text(row, "notes").lower():
+            caveats.append("measured value is a peak, not an average")
+    except RowSkipped as exc:
+        return Case(source, index, _label(row, index), None, str(exc), measured, **common,  # type: ignore[arg-type]
+                    assumptions=tuple(assumptions), caveats=tuple(caveats))
+    skip = None
+    if strategy["name"] not in strategies.available():
+        skip = f"strategy {strategy['name']} not implemented yet"
+    return Case(source, index, _label(row, index), mapping, skip, measured, **common,  # type: ignore[arg-type]
+                assumptions=tuple(assumptions), caveats=tuple(caveats))
+

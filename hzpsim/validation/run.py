@@ -1,0 +1,173 @@
+"""Simulating the mapped published runs and the statistics of their errors.
+
+Part of :mod:`hzpsim.validation`. One DataFrame row per case (skipped ones included); errors
+are signed (pred - meas) / meas in percent, headline statistics on tokens/s per GPU.
+
+    from hzpsim.validation.run import summarize, validate_published
+    df = validate_published(cases)
+    summarize(df)["median_abs_err_pct"]
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pandas as pd
+
+from hzpsim.config import ScenarioError
+from hzpsim.validation.mapping import Case
+
+COLUMNS = (
+    "source_id", "row", "label", "family", "strategy", "n_gpus", "status", "reason", "basis",
+    "meas_tokens_per_s_per_gpu", "pred_tokens_per_s_per_gpu", "err_tokens_pct",
+    "meas_step_time_s", "pred_step_time_s",
+    "meas_mfu_palm", "pred_mfu", "pred_hfu",
+    "reported_metric", "meas_reported", "pred_reported", "err_reported_pct",
+    "fits_in_memory", "pred_peak_mem_gib", "pred_exposed_comm_s", "pred_overlap",
+    "sim_wall_s", "derived", "assumptions", "caveats",
+)
+"""Columns of :func:`validate_published`'s DataFrame (and of the ``--json`` rows), in order."""
+
+
+def _pct(pred: float | None, meas: float | None) -> float | None:
+    if pred is None or meas is None or meas == 0:
+        return None
+    return (pred - meas) / meas * 100.0
+
+
+def validate_published(
+    cases: Iterable[Case],
+    progress: Callable[[str], None] | None = None,
+    expand: bool = False,
+) -> pd.DataFrame:
+    """Simulate every runnable case; one DataFrame row per case (skipped ones included).
+
+    ``status``: ok | skip (mapping or missing strategy: ``reason``) | invalid (the scenario
+    was rejected: ScenarioError message) | error (simulation failed). Errors are signed
+    (pred - meas) / meas in percent.
+    """
+    from hzpsim.planner import run_choice  # imported late to keep the CSV side light
+    from hzpsim.scenario import scenario_from_mapping
+
+    records = []
+    for case in cases:
+        rec: dict[str, Any] = {k: None for k in COLUMNS}
+        meas = case.measured
+        rec.update(
+            source_id=case.source_id, row=case.row_index, label=case.label, family=case.family,
+            strategy=_strategy_label(case.scenario_mapping), n_gpus=case.n_gpus, basis=meas["basis"],
+            meas_tokens_per_s_per_gpu=meas["tokens_per_s_per_gpu"], meas_step_time_s=meas["step_time_s"],
+            derived="; ".join(f"{k}: {v}" for k, v in meas["derived"].items()),
+            assumptions="; ".join(case.assumptions), caveats="; ".join(case.caveats),
+        )
+        if not case.runnable:
+            rec.update(status="skip", reason=case.skip_reason)
+            records.append(rec)
+            continue
+        if progress:
+            progress(case.label)
+        try:
+            scenario = scenario_from_mapping(case.scenario_mapping, source=case.label)
+        except ScenarioError as exc:
+            rec.update(status="invalid", reason=str(exc))
+            records.append(rec)
+            continue
+        except Exception as exc:  # a strategy plugin's bug in check(): record, keep going
+            rec.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+            records.append(rec)
+            continue
+        t0 = time.perf_counter()
+        try:
+            report = run_choice(scenario, scenario.strategies[0], expand=expand)
+        except Exception as exc:  # a simulator bug on a valid scenario: record, keep going
+            rec.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+            records.append(rec)
+            continue
+        wall = time.perf_counter() - t0
+        model, training = scenario.model, scenario.training
+        peak = scenario.topology.device.peak_flops_per_s(training.precision)
+        meas_mfu_palm = None
+        if meas["tokens_per_s_per_gpu"] is not None:
+            meas_mfu_palm = meas["tokens_per_s_per_gpu"] * model.model_flops_per_token() / peak
+        rec.update(
+            status="ok",
+            pred_tokens_per_s_per_gpu=report["tokens_per_s_per_device"],
+            err_tokens_pct=_pct(report["tokens_per_s_per_device"], meas["tokens_per_s_per_gpu"]),
+            pred_step_time_s=report["step_time_s"],
+            meas_mfu_palm=meas_mfu_palm,
+            pred_mfu=report["mfu"],
+            pred_hfu=report["hfu"],
+            fits_in_memory=bool(report["fits_in_memory"]),
+            pred_peak_mem_gib=report["peak_memory_bytes"] / 2**30,
+            pred_exposed_comm_s=report["exposed_comm_s"],
+            pred_overlap=report["overlap_fraction"],
+            sim_wall_s=wall,
+        )
+        if meas["basis"] == "reported_only":
+            # approximate: the source's own FLOP convention vs hzpsim's PaLM basis
+            if meas["mfu"] is not None:
+                rec.update(reported_metric=f"mfu ({meas['tflops_convention']})", meas_reported=meas["mfu"],
+                           pred_reported=report["mfu"])
+            else:
+                rec.update(reported_metric=f"tflops ({meas['tflops_convention']})",
+                           meas_reported=meas["tflops_per_gpu"], pred_reported=report["tflops_per_device"])
+            rec["err_reported_pct"] = _pct(rec["pred_reported"], rec["meas_reported"])
+        records.append(rec)
+    return pd.DataFrame.from_records(records, columns=list(COLUMNS))
+
+
+def _strategy_label(mapping: dict[str, Any] | None) -> str | None:
+    if mapping is None:
+        return None
+    s = mapping["strategy"]
+    fields_ = ",".join(f"{k}={v}" for k, v in s.items() if k != "name" and k in (
+        "stage", "tp", "pp", "dp", "cp", "ep", "vpp", "zero_stage", "shard_group_size"))
+    return f"{s['name']}({fields_})" if fields_ else s["name"]
+
+
+def skip_category(reason: str | None) -> str:
+    """Group skip reasons: the column (or 'strategy X not implemented yet')."""
+    if not reason:
+        return ""
+    if reason.startswith("strategy ") and reason.endswith("not implemented yet"):
+        return reason
+    return reason.split(":", 1)[0] + ": " + ("not given" if "not given" in reason else reason.split(":", 1)[1].strip()[:60])
+
+
+def summarize(df: pd.DataFrame, worst: int = 5) -> dict[str, Any]:
+    """Headline statistics on the convention-free tokens/s/GPU error of the ok rows."""
+    ok = df[df["status"] == "ok"]
+    err = ok["err_tokens_pct"].dropna().astype(float)
+    out: dict[str, Any] = {
+        "cases": int(len(df)),
+        "ok": int(len(ok)),
+        "compared_on_tokens": int(len(err)),
+        "status_counts": {k: int(v) for k, v in Counter(df["status"]).items()},
+        "skip_reasons": {k: int(v) for k, v in Counter(
+            skip_category(r) for r in df.loc[df["status"] != "ok", "reason"]).most_common()},
+        "median_abs_err_pct": float(err.abs().median()) if len(err) else None,
+        "mean_abs_err_pct": float(err.abs().mean()) if len(err) else None,
+        "mean_err_pct": float(err.mean()) if len(err) else None,
+        "median_err_pct": float(err.median()) if len(err) else None,
+        "within_10_pct": int((err.abs() <= 10).sum()),
+        "within_25_pct": int((err.abs() <= 25).sum()),
+        "worst": [],
+        "by_source": {},
+    }
+    if len(err):
+        idx = err.abs().sort_values(ascending=False).index[:worst]
+        out["worst"] = [
+            {"label": ok.at[i, "label"], "err_tokens_pct": float(ok.at[i, "err_tokens_pct"])} for i in idx
+        ]
+        for src, grp in ok.dropna(subset=["err_tokens_pct"]).groupby("source_id"):
+            e = grp["err_tokens_pct"].astype(float)
+            out["by_source"][src] = {"n": int(len(e)), "median_err_pct": float(e.median()),
+                                     "median_abs_err_pct": float(e.abs().median())}
+    rep = ok["err_reported_pct"].dropna().astype(float)
+    out["reported_only_compared"] = int(len(rep))
+    out["reported_only_median_err_pct"] = float(rep.median()) if len(rep) else None
+    return out
+

@@ -46,9 +46,9 @@ def topo(preset: str, num_nodes: int = 1, **kw):
 @pytest.mark.parametrize(
     "name, bf16_tf, mem_gb, bw_tbs",
     [
-        ("a100-80gb", 312, 80, 2.039),  # A100 datasheet
+        ("a100-80gb", 312, 85.056798720, 2.039),  # A100 datasheet; memory as CUDA reports it
         ("a100-40gb", 312, 40, 1.555),
-        ("h100-sxm", 989.4, 80, 3.35),  # H100 SXM5 datasheet (1979 sparse / 2)
+        ("h100-sxm", 989.4, 81559 * 2**20 / 1e9, 3.35),  # H100 SXM5 datasheet; nvidia-smi 81559 MiB
         ("h200", 989.4, 141, 4.8),
         ("mi250x", 383 / 2, 64, 1.6),  # per GCD: half of a 383 TF / 128 GB / 3.2 TB/s package
         ("npu-910b", 300, 64, 1.6),  # AsyncHZP paper's ~300 TF, 64 GB

@@ -13,7 +13,9 @@ Conventions (apply to every entry):
   allow_tf32`` defaults to False since PyTorch 1.12 and the executor's ``fp32`` mode is used for
   exact checks; on AMD CDNA2 it is the FP32 *matrix* (MFMA) rate, which rocBLAS uses for
   fp32 GEMMs and which is IEEE fp32 (not a reduced-precision format).
-* ``memory_bytes`` uses decimal units as the vendors do (80 GB = 80e9 bytes).
+* ``memory_bytes`` is the capacity the CUDA driver reports where it is known (the "80 GB"
+  parts are 80 GiB of HBM, of which the driver exposes ~79.2-79.7 GiB); otherwise the vendor's
+  decimal figure (80 GB = 80e9 bytes), a slight underestimate.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ class Device:
     memory_bytes_per_s: float  # HBM (or RAM) bandwidth, bytes/s
     default_cluster_preset: str  # preset giving this device's usual node fabric
     source: str  # where the numbers come from
+    nominal_memory_gb: float | None = None  # the capacity on the label ("80GB"); None = memory_bytes / 1e9
+
+    @property
+    def memory_label_gb(self) -> float:
+        """The memory size the vendor's name gives (e.g. 80 for "H100 80GB")."""
+        return self.nominal_memory_gb if self.nominal_memory_gb is not None else self.memory_bytes / 1e9
 
     def peak_flops_per_s(self, precision: str) -> float:
         """Dense peak FLOP/s for GEMMs in ``precision`` (bf16 | fp16 | fp8 | fp32).
@@ -89,7 +97,10 @@ DEVICES: dict[str, Device] = {
             peak_fp16_flops_per_s=312 * TERA,
             peak_fp8_flops_per_s=None,
             peak_fp32_flops_per_s=19.5 * TERA,
-            memory_bytes=80 * GIGA,  # 80 GB HBM2e [SRC datasheet; strategies.md §4]
+            # torch.cuda.get_device_properties().total_memory of an A100-SXM4-80GB: 85,056,798,720 B
+            # (79.2 GiB) [SEC: recorded in a public test fixture]
+            memory_bytes=85_056_798_720,
+            nominal_memory_gb=80,
             memory_bytes_per_s=2039 * GIGA,  # 2,039 GB/s [SRC datasheet; strategies.md §4]
             default_cluster_preset="dgx-a100",
             source=_A100_SRC + " 80GB SXM: 80 GB HBM2e at 2,039 GB/s.",
@@ -100,7 +111,10 @@ DEVICES: dict[str, Device] = {
             peak_fp16_flops_per_s=989.4 * TERA,
             peak_fp8_flops_per_s=1978.9 * TERA,  # 3,958 sparse / 2 [SRC H100 datasheet]
             peak_fp32_flops_per_s=66.9 * TERA,  # FP32 67 TF [SRC datasheet] (TF32 494.7 dense)
-            memory_bytes=80 * GIGA,  # 80 GB HBM3
+            # nvidia-smi "81559MiB" total for an H100 80GB HBM3 = 85,521,612,800 B (79.65 GiB)
+            # [SEC: many public nvidia-smi logs]
+            memory_bytes=81559 * 2**20,
+            nominal_memory_gb=80,
             memory_bytes_per_s=3.35 * TERA,  # 3.35 TB/s
             default_cluster_preset="dgx-h100",
             source=(

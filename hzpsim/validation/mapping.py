@@ -20,6 +20,7 @@ from hzpsim.cluster.devices import get_device
 from hzpsim.cluster.topology import preset_spec
 from hzpsim.config import ScenarioError, from_mapping
 from hzpsim.model import Model
+from hzpsim.strategies import _implementations
 from hzpsim.validation.cells import RowSkipped, blank, cell_text, need_whole, number, whole
 from hzpsim.validation.families import family_of
 from hzpsim.validation.measured import measured_values
@@ -236,8 +237,10 @@ def map_cluster(row: dict[str, Any], device: str, n_gpus: int) -> tuple[dict[str
     cluster: dict[str, Any] = {"device": device, "num_nodes": n_gpus // gpn}
     notes: list[str] = []
     memory_gb = re.search(r"(\d+)\s*gb", cell_text(row, "gpu").lower())
-    if memory_gb and abs(float(memory_gb.group(1)) * 1e9 - get_device(device).memory_bytes) > 1e9:
-        cluster["device_memory_bytes"] = float(memory_gb.group(1)) * 1e9
+    catalog = get_device(device)
+    if memory_gb and float(memory_gb.group(1)) != catalog.memory_label_gb:
+        # a variant of the device (e.g. the 96 GB H100): the same share of its label's capacity
+        cluster["device_memory_bytes"] = float(memory_gb.group(1)) / catalog.memory_label_gb * catalog.memory_bytes
     if gpn != base.gpus_per_node:
         cluster["gpus_per_node"] = gpn
     text = cell_text(row, "inter_node")
@@ -285,6 +288,31 @@ def _grad_dtype(row: dict[str, Any]) -> str | None:
     if "pure" in prec or ("deepspeed" in system and prec.startswith("fp16")):
         return "bf16"
     return None  # schema default fp32
+
+
+def map_implementation(row: dict[str, Any], strategy: str) -> tuple[str, list[str]]:
+    """The implementation profile (``hzpsim.strategies._implementations``) the row's framework
+    ran, from its ``system`` and, for Megatron-LM, the date of its source."""
+    system = cell_text(row, "system").lower()
+    ref = cell_text(row, "source_ref")
+    if "deepspeed" in system and strategy in ("zero", "zeropp", "hsdp", "mics"):
+        # the coalesced ZeRO-3 arrived in DeepSpeed v0.6.0 (2022-01); the 2021 offload post predates it
+        old = "2021" in ref or any(f"0.{v}." in system for v in range(6))
+        impl = "deepspeed-2021" if old else "deepspeed"
+    elif "torchtitan" in system:
+        impl = "fsdp2" if strategy in ("zero", "hsdp") else "torchtitan"
+    elif "fsdp" in system and strategy in ("zero", "hsdp") or "fairscale" in system and strategy in ("zero", "hsdp"):
+        impl = "fsdp1"
+    elif any(k in system for k in ("megatron-core", "nemo", "megatron-bridge")):
+        impl = "megatron-core"
+    elif "megatron" in system:
+        # Megatron-LM before the overlapped distributed optimizer (2021-2022 papers) and the
+        # Megatron-DeepSpeed fork: gradients all-reduced after the backward
+        impl = "megatron-2021" if strategy == "nd" else "deepspeed"
+    else:
+        impl = _implementations.DEFAULTS[strategy]
+        return impl, [f"implementation: {impl} (the strategy's default; system {system!r} not recognised)"]
+    return impl, []  # read off the system column (docs/validation.md §2), not assumed
 
 
 def map_strategy(row: dict[str, Any], n_gpus: int, gpus_per_node: int) -> tuple[dict[str, Any], list[str]]:
@@ -401,6 +429,8 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
         assumptions += a
         gpn = int(cluster.get("gpus_per_node") or preset_spec(get_device(device).default_cluster_preset).gpus_per_node)  # type: ignore[arg-type]
         strategy, a = map_strategy(row, n_gpus, gpn)
+        assumptions += a
+        strategy["implementation"], a = map_implementation(row, strategy["name"])
         assumptions += a
         precision, a = map_precision(cell_text(row, "precision"), device)
         assumptions += a

@@ -1,0 +1,155 @@
+"""Run a :class:`RunSpec` on N local processes (spawned) and aggregate the ranks' measurements.
+
+    python -c "from hzpsim.executor.runner import run; from hzpsim.executor.spec import demo; print(run(demo()))"
+
+Aggregation (what ``hzpsim validate executor`` compares): losses are the mean over the ranks
+that computed one (data-parallel replicas; the last pipeline stage); step time is the slowest
+rank's median after warm-up; collective counts and bytes and model-state bytes are summed over
+all ranks; peak memory is the largest rank's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hzpsim.config import ScenarioError
+from hzpsim.executor.counting import KINDS
+from hzpsim.executor.spec import RunSpec
+
+
+@dataclass
+class RunResult:
+    """One executor run, aggregated over ranks."""
+
+    spec: RunSpec
+    losses: list[float]
+    step_time_s: float
+    collective_counts: dict[str, int]
+    comm_bytes: dict[str, int]
+    other_collective_counts: dict[str, int]
+    model_state_bytes: int
+    model_state_breakdown_bytes: dict[str, int]
+    peak_memory_bytes: int
+    peak_memory_method: str
+    buffer_bytes: int
+    wall_s: float
+    counting_complete: bool = True  # hooked calls == the backend flight recorder's entries, every rank
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def aggregate(spec: RunSpec, ranks: list[dict[str, Any]], wall_s: float) -> RunResult:
+    """Combine the ranks' ``rank<r>.json`` records (see module docstring)."""
+    losses = []
+    for k in range(spec.num_steps):
+        values = [r["losses"][k] for r in ranks if not math.isnan(r["losses"][k])]
+        losses.append(sum(values) / len(values) if values else math.nan)
+    counts = {kind: sum(r["collectives"]["counts"][kind] for r in ranks) for kind in KINDS}
+    sizes = {kind: sum(r["collectives"]["bytes"][kind] for r in ranks) for kind in KINDS}
+    other: dict[str, int] = {}
+    for r in ranks:
+        for kind, n in r["collectives"]["other_counts"].items():
+            other[kind] = other.get(kind, 0) + n
+    complete = all(r["collectives"]["check"].get("backend_calls", 0) == r["collectives"]["check"]["hooked_calls"]
+                   for r in ranks)
+    breakdown = {key: sum(r["model_state_bytes"][key] for r in ranks) for key in ("params", "grads", "optimizer")}
+    return RunResult(
+        spec=spec, losses=losses, step_time_s=max(r["step_time_s"] for r in ranks),
+        collective_counts=counts, comm_bytes=sizes, other_collective_counts=other,
+        model_state_bytes=sum(breakdown.values()), model_state_breakdown_bytes=breakdown,
+        peak_memory_bytes=max(r["peak_memory_bytes"] for r in ranks),
+        peak_memory_method=ranks[0]["peak_memory_method"], buffer_bytes=max(r["buffer_bytes"] for r in ranks),
+        wall_s=wall_s, counting_complete=complete, ranks=ranks,
+    )
+
+
+def run(spec: RunSpec, timeout_s: float = 900.0) -> RunResult:
+    """Start ``spec.world_size`` worker processes (``python -m hzpsim.executor.worker``, the
+    torchrun entry point, with torchrun's environment variables), wait, aggregate.
+
+    A rank that fails or a run that exceeds ``timeout_s`` raises ScenarioError naming it (all
+    ranks are terminated: the executor never hangs)."""
+    spec.validate()
+    world = 1 if spec.strategy == "reference" else spec.world_size
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="hzpsim-exec-") as out_dir:
+        spec_file = Path(out_dir) / "spec.json"
+        spec_file.write_text(json.dumps(spec.to_mapping()))
+        port = free_port()
+        procs: list[subprocess.Popen] = []
+        logs = []
+        try:
+            for rank in range(world):
+                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "OMP_NUM_THREADS": str(spec.threads_per_rank)}
+                log = open(Path(out_dir) / f"rank{rank}.log", "w+", encoding="utf-8")
+                logs.append(log)
+                procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "hzpsim.executor.worker", "--spec", str(spec_file), "--out", out_dir],
+                    env=env, stdout=log, stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + timeout_s
+            while any(p.poll() is None for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed:
+                    raise ScenarioError(f"executor: {spec.strategy} failed on rank {failed[0]}: "
+                                        f"{_last_error(logs[failed[0]])}")
+                if time.monotonic() > deadline:
+                    raise ScenarioError(f"executor: {spec.strategy} on {world} ranks exceeded {timeout_s:.0f} s")
+                time.sleep(0.05)
+            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if failed:
+                raise ScenarioError(f"executor: {spec.strategy} failed on rank {failed[0]}: {_last_error(logs[failed[0]])}")
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for log in logs:
+                log.close()
+        ranks = [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
+    return aggregate(spec, ranks, time.perf_counter() - start)
+
+
+def _last_error(log) -> str:
+    log.flush()
+    log.seek(0)
+    lines = [line.strip() for line in log.read().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error" in line]
+    return (errors or lines or ["no output"])[-1][:300]
+
+
+_REFERENCE_CACHE: dict[str, list[float]] = {}
+
+
+def reference_losses(spec: RunSpec) -> list[float]:
+    """Losses of the single-process reference on the same model, data and steps (cached)."""
+    import dataclasses
+
+    from hzpsim.executor.spec import Layout
+
+    ref = dataclasses.replace(spec, strategy="reference", world_size=1, layout=Layout(), comm_delay_s=0.0,
+                              measure_memory=False, micro_batch_size=spec.micro_batch_size, label="reference")
+    key = json.dumps(ref.to_mapping(), sort_keys=True, default=str)
+    if key not in _REFERENCE_CACHE:
+        _REFERENCE_CACHE[key] = run(ref).losses
+    return _REFERENCE_CACHE[key]
+
+
+def max_loss_diff(result: RunResult, reference: list[float]) -> float:
+    return max(abs(a - b) for a, b in zip(result.losses, reference))

@@ -55,6 +55,7 @@ class CallRecord:
     size_bytes: int  # NCCL-tests convention (see module docstring)
     time_ns: int  # when the call was made (time.time_ns clock)
     thread: str  # the calling thread's name
+    step: int  # the optimizer step it belongs to (set_step / tag_thread)
 
 
 def _nbytes(tensors) -> int:
@@ -108,6 +109,26 @@ _FUNCTIONAL = {
 }
 
 
+_STEP = {"global": 0}
+_THREAD = threading.local()
+
+
+def set_step(step: int) -> None:
+    """The optimizer step the main loop is in: calls from untagged threads belong to it."""
+    _STEP["global"] = step
+
+
+def tag_thread(step: int | None) -> None:
+    """Attribute this thread's next calls to ``step`` (a background thread working for a step
+    the main loop may have left); None = follow the main loop."""
+    _THREAD.step = step
+
+
+def current_step() -> int:
+    tagged = getattr(_THREAD, "step", None)
+    return _STEP["global"] if tagged is None else tagged
+
+
 class _Hook:
     """The counting (and delaying) kernels, installed once per process."""
 
@@ -135,7 +156,7 @@ class _Hook:
                 group = int(group_of(args)) if group_of is not None else 0
             except Exception:  # an unexpected argument layout must not break training
                 size, group = -1, 0
-            record = CallRecord(kind, group, size, time.time_ns(), threading.current_thread().name)
+            record = CallRecord(kind, group, size, time.time_ns(), threading.current_thread().name, current_step())
             with self._lock:
                 self.calls.append(record)
             with torch._C._AutoDispatchBelowAutograd():
@@ -170,23 +191,23 @@ def collected() -> list[CallRecord]:
         return sorted(_HOOK.calls, key=lambda r: r.time_ns)
 
 
-def summarize(records: list[CallRecord], start_ns: int, end_ns: int,
+def summarize(records: list[CallRecord], step: int, start_ns: int = 0, end_ns: int = 0,
               backend_times: list[int] | None = None) -> dict[str, dict[str, int]]:
-    """Counts and bytes per kind (all five KINDS present) of the calls made in [start, end);
-    ``check`` compares the hooked collective calls with the backend's flight-recorder entries."""
+    """Counts and bytes per kind (all five KINDS present) of the calls of optimizer step ``step``;
+    ``check`` compares the hooked collective calls made in [start_ns, end_ns) with the backend's
+    flight-recorder entries of that window (equal when nothing bypassed the hooks)."""
     counts = dict.fromkeys(KINDS, 0)
     sizes = dict.fromkeys(KINDS, 0)
     other: dict[str, int] = {}
     for r in records:
-        if not start_ns <= r.time_ns < end_ns:
+        if r.step != step:
             continue
         if r.kind in counts:
             counts[r.kind] += 1
             sizes[r.kind] += r.size_bytes
         else:
             other[r.kind] = other.get(r.kind, 0) + 1
-    hooked = sum(n for k, n in counts.items() if k != "send_recv") + sum(
-        n for k, n in other.items() if k not in ("recv",))
+    hooked = sum(1 for r in records if start_ns <= r.time_ns < end_ns and r.kind not in ("send_recv", "recv"))
     check = {"hooked_calls": hooked}
     if backend_times is not None:
         check["backend_calls"] = sum(1 for t in backend_times if start_ns <= t < end_ns)
@@ -206,7 +227,7 @@ def _selfcheck(rank: int, world: int, port: int) -> None:
     elif rank == 1:
         dist.recv(torch.empty(3), 0)
     end = time.time_ns() + 1
-    summary = summarize(collected(), start, end, backend_call_times())
+    summary = summarize(collected(), 0, start, end, backend_call_times())
     print(rank, summary)
     dist.destroy_process_group()
 

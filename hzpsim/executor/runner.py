@@ -110,7 +110,8 @@ def run(spec: RunSpec, timeout_s: float = 900.0) -> RunResult:
                     raise ScenarioError(f"executor: {spec.strategy} failed on rank {failed[0]}: "
                                         f"{_last_error(logs[failed[0]])}")
                 if time.monotonic() > deadline:
-                    raise ScenarioError(f"executor: {spec.strategy} on {world} ranks exceeded {timeout_s:.0f} s")
+                    raise ScenarioError(f"executor: {spec.strategy} on {world} ranks exceeded {timeout_s:.0f} s"
+                                        f" (rank 0 last said: {_last_error(logs[0])})")
                 time.sleep(0.05)
             failed = [r for r, p in enumerate(procs) if p.returncode != 0]
             if failed:

@@ -50,6 +50,10 @@ def _cpu_peak_during(fn) -> int:
 def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, port: int | None = None) -> None:
     """Train and measure on this rank; ``port`` None means torchrun's environment (MASTER_*)."""
     spec = from_mapping(spec_data)
+    if os.environ.get("HZPSIM_EXEC_TRACEBACK_S"):  # debugging a stuck rank: dump all threads' stacks
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["HZPSIM_EXEC_TRACEBACK_S"]), exit=True)
     torch.set_num_threads(spec.threads_per_rank)
     torch.manual_seed(spec.seed)
     counting.enable_flight_recorder()
@@ -69,6 +73,7 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
     times: list[float] = []
     marks: list[int] = []
     for step in range(spec.num_steps):
+        counting.set_step(step)
         marks.append(time.time_ns())
         start = time.perf_counter()
         losses.append(trainer.step(step))
@@ -84,10 +89,11 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
     records = counting.collected() if spec.strategy != "reference" else []
     backend = counting.backend_call_times() if spec.strategy != "reference" else []
     counted_step = spec.num_steps - 2 if spec.num_steps >= 3 else spec.num_steps - 1
-    window = counting.summarize(records, marks[counted_step], marks[counted_step + 1], backend)
-    per_step = [counting.summarize(records, marks[k], marks[k + 1])["counts"] for k in range(spec.num_steps)]
+    window = counting.summarize(records, counted_step, marks[0], marks[-1], backend)
+    per_step = [counting.summarize(records, k)["counts"] for k in range(spec.num_steps)]
 
     peak, method = -1, "none"
+    counting.set_step(spec.num_steps)
     if spec.measure_memory:
         trainer.zero_grad()
         live = trainer.model_state_bytes()
@@ -112,8 +118,9 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     with open(Path(out_dir) / f"rank{rank}.json", "w", encoding="utf-8") as handle:
         json.dump(result, handle)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    close = getattr(trainer, "close", None)
+    if close is not None:
+        close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hzpsim: error: the spec is for {spec.world_size} ranks, torchrun started {world}", file=sys.stderr)
         return 2
     run_rank(rank, world, data, args.out)
-    return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The results are written. Tearing down gloo process groups (dozens with AsyncHZP's
+    # per-thread groups) can block at interpreter exit; nothing is left to do, so leave now.
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,13 @@ from torch import nn
 from hzpsim.config import ScenarioError
 from hzpsim.executor import model as tmodel
 from hzpsim.executor.spec import RunSpec
-from hzpsim.executor.trainers import adam_state_bytes, clip_coefficient, cross_entropy, micro_batches, tensor_bytes
+from hzpsim.executor.trainers import (
+    adam_state_bytes,
+    clip_coefficient,
+    cross_entropy,
+    micro_batches,
+    tensor_bytes,
+)
 
 
 class _Stage(nn.Module):
@@ -115,7 +121,11 @@ class NDTrainer:
         self.is_last = any(stage.last for stage in self.stage_modules)
         self.is_first = any(stage.first for stage in self.stage_modules)
         if pp > 1:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+            from torch.distributed.pipelining import (
+                PipelineStage,
+                Schedule1F1B,
+                ScheduleInterleaved1F1B,
+            )
 
             group = self.mesh["pp"].get_group()
             stages = [PipelineStage(module, v, virtual, device, group=group)

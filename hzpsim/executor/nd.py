@@ -15,6 +15,8 @@ activations (each TP rank sends 1/tp). Run it::
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -117,7 +119,7 @@ class NDTrainer:
         params = [p for u in self.units for p in u.parameters()]
         self.opt = torch.optim.Adam(params, lr=spec.lr, foreach=True)
         self.dp_group = self.mesh["dp"].get_group() if dp > 1 else None
-        self.schedule = None
+        self.schedule: Any = None
         self.is_last = any(stage.last for stage in self.stage_modules)
         self.is_first = any(stage.first for stage in self.stage_modules)
         if pp > 1:
@@ -128,7 +130,7 @@ class NDTrainer:
             )
 
             group = self.mesh["pp"].get_group()
-            stages = [PipelineStage(module, v, virtual, device, group=group)
+            stages: list[Any] = [PipelineStage(module, v, virtual, device, group=group)
                       for module, v in zip(self.stage_modules, self.stage_ids)]
             m = spec.num_micro_batches
             if vpp > 1:
@@ -154,7 +156,7 @@ class NDTrainer:
         loss_value = float("nan")
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
-            kwargs = {"target": y, "losses": losses} if self.is_last else {}
+            kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.is_last else {}
             if self.is_first:
                 self.schedule.step(x, **kwargs)
             else:

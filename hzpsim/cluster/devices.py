@@ -202,8 +202,34 @@ DEVICES: dict[str, Device] = {
 
 
 def get_device(name: str) -> Device:
-    """Catalog lookup; ValueError naming the known devices if ``name`` is unknown."""
+    """Catalog lookup; ValueError naming the known devices if ``name`` is unknown.
+
+    ``hzpsim calibrate machine`` (without ``--out``) writes measured rates for ``cpu-local`` to
+    ``<user config>/devices/cpu-local.yaml``; such a file overrides the catalog's numbers."""
     try:
-        return DEVICES[name]
+        device = DEVICES[name]
     except KeyError:
         raise ValueError(f"unknown device {name!r} (known: {', '.join(sorted(DEVICES))})") from None
+    return _calibrated(device)
+
+
+_CALIBRATED_FIELDS = ("peak_bf16_flops_per_s", "peak_fp16_flops_per_s", "peak_fp32_flops_per_s",
+                      "memory_bytes_per_s", "memory_bytes")
+
+
+def _calibrated(device: Device) -> Device:
+    from pathlib import Path
+
+    from hzpsim.presets import user_config_dir
+
+    path = Path(user_config_dir()) / "devices" / f"{device.name}.yaml"
+    if not path.is_file():
+        return device
+    import dataclasses
+
+    import yaml
+
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    changes: dict[str, object] = {k: float(v) for k, v in data.items()
+                                  if k in _CALIBRATED_FIELDS and isinstance(v, int | float) and v > 0}
+    return dataclasses.replace(device, source=f"calibrated: {path}", **changes) if changes else device  # type: ignore[arg-type]

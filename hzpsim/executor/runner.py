@@ -78,51 +78,58 @@ def aggregate(spec: RunSpec, ranks: list[dict[str, Any]], wall_s: float) -> RunR
     )
 
 
-def run(spec: RunSpec, timeout_s: float = 900.0) -> RunResult:
-    """Start ``spec.world_size`` worker processes (``python -m hzpsim.executor.worker``, the
-    torchrun entry point, with torchrun's environment variables), wait, aggregate.
+def launch(world: int, module_args: list[str], out_dir: str, timeout_s: float, what: str,
+           threads_per_rank: int = 1, on_poll=None) -> None:
+    """Start ``world`` processes of ``python -m <module_args>`` with torchrun's environment
+    variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), wait for all of them.
+    Raises ScenarioError naming the failing rank, or on timeout (every rank is killed: no hang).
+    ``on_poll(rank0_log_path)`` is called about 20 times a second while they run."""
+    port = free_port()
+    procs: list[subprocess.Popen] = []
+    logs = []
+    try:
+        for rank in range(world):
+            env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                   "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                   "OMP_NUM_THREADS": str(threads_per_rank), "PYTHONUNBUFFERED": "1"}
+            log = open(Path(out_dir) / f"rank{rank}.log", "w+", encoding="utf-8")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, "-m", *module_args], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                raise ScenarioError(f"{what} failed on rank {failed[0]}: {_last_error(logs[failed[0]])}")
+            if time.monotonic() > deadline:
+                raise ScenarioError(f"{what} on {world} ranks exceeded {timeout_s:.0f} s"
+                                    f" (rank 0 last said: {_last_error(logs[0])})")
+            if on_poll is not None:
+                on_poll(Path(out_dir) / "rank0.log")
+            time.sleep(0.05)
+        failed = [r for r, p in enumerate(procs) if p.returncode != 0]
+        if failed:
+            raise ScenarioError(f"{what} failed on rank {failed[0]}: {_last_error(logs[failed[0]])}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
 
-    A rank that fails or a run that exceeds ``timeout_s`` raises ScenarioError naming it (all
-    ranks are terminated: the executor never hangs)."""
+
+def run(spec: RunSpec, timeout_s: float = 900.0) -> RunResult:
+    """Run ``spec`` on ``spec.world_size`` local processes (``python -m hzpsim.executor.worker``,
+    the torchrun entry point) and aggregate their measurements."""
     spec.validate()
     world = 1 if spec.strategy == "reference" else spec.world_size
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hzpsim-exec-") as out_dir:
         spec_file = Path(out_dir) / "spec.json"
         spec_file.write_text(json.dumps(spec.to_mapping()))
-        port = free_port()
-        procs: list[subprocess.Popen] = []
-        logs = []
-        try:
-            for rank in range(world):
-                env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "OMP_NUM_THREADS": str(spec.threads_per_rank)}
-                log = open(Path(out_dir) / f"rank{rank}.log", "w+", encoding="utf-8")
-                logs.append(log)
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "hzpsim.executor.worker", "--spec", str(spec_file), "--out", out_dir],
-                    env=env, stdout=log, stderr=subprocess.STDOUT))
-            deadline = time.monotonic() + timeout_s
-            while any(p.poll() is None for p in procs):
-                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-                if failed:
-                    raise ScenarioError(f"executor: {spec.strategy} failed on rank {failed[0]}: "
-                                        f"{_last_error(logs[failed[0]])}")
-                if time.monotonic() > deadline:
-                    raise ScenarioError(f"executor: {spec.strategy} on {world} ranks exceeded {timeout_s:.0f} s"
-                                        f" (rank 0 last said: {_last_error(logs[0])})")
-                time.sleep(0.05)
-            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if failed:
-                raise ScenarioError(f"executor: {spec.strategy} failed on rank {failed[0]}: {_last_error(logs[failed[0]])}")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for log in logs:
-                log.close()
+        launch(world, ["hzpsim.executor.worker", "--spec", str(spec_file), "--out", out_dir], out_dir, timeout_s,
+               f"executor: {spec.strategy}", spec.threads_per_rank)
         ranks = [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
     return aggregate(spec, ranks, time.perf_counter() - start)
 

@@ -92,9 +92,16 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
         if key in profile.get("cluster", {}):
             cluster[key] = float(profile["cluster"][key])
     if comm_delay_s:
+        # hzpsim has no per-call host cost; its per-ring-step latency is the knob. The topology's
+        # latency is NCCL's ring/Simple step; a latency-bound call runs with LL, whose step
+        # costs hwLat[LL] / hwLat[Simple] of it, so the delay is scaled by the inverse of that
+        # ratio: a latency-bound ring step then pays exactly the delay.
+        from hzpsim.sim.collectives import _HW_LATENCY_US
+
+        ll_ratio = _HW_LATENCY_US[("nvlink", "ring")][0] / _HW_LATENCY_US[("nvlink", "ring")][2]
         base = scenario_from_mapping({**data, "cluster": cluster, "strategies": [{"name": "zero"}]}).cluster
-        cluster["intra_node_latency_s"] = float(base.intra_node_latency_s or 0.0) + comm_delay_s
-        cluster["inter_node_latency_s"] = float(base.inter_node_latency_s or 0.0) + comm_delay_s
+        cluster["intra_node_latency_s"] = float(base.intra_node_latency_s or 0.0) + comm_delay_s / ll_ratio
+        cluster["inter_node_latency_s"] = float(base.inter_node_latency_s or 0.0) + comm_delay_s / ll_ratio
     data["cluster"] = cluster
     entries = data.get("strategies") or [data.get("strategy")]
     data.pop("strategy", None)

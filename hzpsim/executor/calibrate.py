@@ -43,20 +43,20 @@ NCCL_SIMPLE_BASE_S = 8.4e-6  # the simulator adds NCCL's ring/Simple base latenc
 
 
 def _timed(fn, min_time_s: float, min_reps: int = 3, reps: int | None = None) -> float:
-    """Median seconds per call of ``fn`` (two warm-up calls excluded): ``reps`` calls exactly
-    (collectives: every rank must make the same number), else until ``min_time_s`` has passed."""
+    """Mean seconds per call of ``fn`` (two warm-up calls excluded): ``reps`` calls exactly
+    (collectives: every rank must make the same number), else until ``min_time_s`` has passed.
+    The mean, not the median: with more processes than cores a process is descheduled now and
+    then, and the median of short calls would hide that (training pays it)."""
     fn()
     fn()
-    samples: list[float] = []
+    count = 0
     start = time.perf_counter()
-    while (len(samples) < reps) if reps is not None else (
-            len(samples) < min_reps or time.perf_counter() - start < min_time_s):
-        t0 = time.perf_counter()
+    while (count < reps) if reps is not None else (count < min_reps or time.perf_counter() - start < min_time_s):
         fn()
-        samples.append(time.perf_counter() - t0)
-        if len(samples) > 2000:
+        count += 1
+        if count >= 20000:
             break
-    return statistics.median(samples)
+    return (time.perf_counter() - start) / count
 
 
 def bench(out_dir: str, quick: bool) -> None:

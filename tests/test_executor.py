@@ -97,7 +97,7 @@ def test_executor_cli_bad_input_exits_2(argv, words, capsys, monkeypatch):
 def test_units_have_the_simulators_parameter_counts():
     pytest.importorskip("torch")
     from hzpsim.executor.model import build, unit_param_counts
-    from hzpsim.model import MoE, Model
+    from hzpsim.model import Model, MoE
 
     for model in (Model(2, 64, 4, 128, 256, 32, num_kv_heads=2, dropout=False),
                   Model(3, 64, 4, 128, 256, 32, dropout=False, mlp="gelu", linear_bias=True, norm="layernorm",
@@ -212,7 +212,7 @@ def _run(strategy: str, world: int, model=None, steps: int = 4, **layout):
 @pytest.mark.slow
 def test_moe_under_zero3_matches_the_reference():
     pytest.importorskip("torch")
-    from hzpsim.model import MoE, Model
+    from hzpsim.model import Model, MoE
 
     model = Model(2, 64, 4, 128, 256, 32, dropout=False,
                   moe=MoE(num_experts=4, top_k=2, expert_ffn_hidden_size=64))

@@ -186,16 +186,16 @@ def predicted_report(scenario: Scenario, choice: StrategyChoice) -> dict[str, An
 
 
 def compare(scenario: Scenario, world: int, *, num_steps: int = 6, comm_delay_s: float = 0.0,
-            threads_per_rank: int = 1, timeout_s: float = 900.0) -> list[dict[str, Any]]:
+            threads_per_rank: int = 1, timeout_s: float = 900.0, measure_memory: bool = True) -> list[dict[str, Any]]:
     """Run every strategy of ``scenario`` on the executor and the simulator; one row each."""
-    from hzpsim.executor.runner import max_loss_diff, reference_losses, run
+    from hzpsim.executor.runner import max_loss_diff, reference_losses, run_many
     from hzpsim.executor.spec import run_specs
 
     specs = run_specs(scenario, world, num_steps=num_steps, comm_delay_s=comm_delay_s,
-                      threads_per_rank=threads_per_rank)
+                      threads_per_rank=threads_per_rank, measure_memory=measure_memory)
     rows = []
-    for spec, choice in zip(specs, scenario.strategies):
-        measured = run(spec, timeout_s=timeout_s)
+    results = run_many(specs, timeout_s=timeout_s)
+    for spec, choice, measured in zip(specs, scenario.strategies, results):
         reference = reference_losses(spec)
         predicted = predicted_collectives(scenario, choice)
         report = predicted_report(scenario, choice)

@@ -194,7 +194,10 @@ def run_specs(scenario: Any, world_size: int, **overrides: Any) -> list[RunSpec]
 
 
 def _label(choice: Any) -> str:
-    fields = {k: v for k, v in dataclasses.asdict(choice.config).items() if v not in (None, False)}
+    """``name(field=value,...)`` with the fields that differ from the strategy's defaults."""
+    defaults = type(choice.config)()
+    fields = {f.metadata.get("key", f.name): getattr(choice.config, f.name) for f in dataclasses.fields(choice.config)
+              if getattr(choice.config, f.name) != getattr(defaults, f.name) or f.name == "stage"}
     return choice.name + "(" + ",".join(f"{k}={v}" for k, v in sorted(fields.items())) + ")"
 
 

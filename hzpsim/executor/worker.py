@@ -47,8 +47,11 @@ def _cpu_peak_during(fn) -> int:
     return int(max(totals, default=0))
 
 
-def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, port: int | None = None) -> None:
-    """Train and measure on this rank; ``port`` None means torchrun's environment (MASTER_*)."""
+def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, port: int | None = None,
+             index: int = 0) -> None:
+    """Train and measure on this rank, write ``rank<r>.json`` (``rank<r>-<index>.json`` for the
+    index-th of several specs run by the same processes); ``port`` None means torchrun's
+    environment (MASTER_*). The process group is created once and kept for later specs."""
     spec = from_mapping(spec_data)
     if os.environ.get("HZPSIM_EXEC_TRACEBACK_S"):  # debugging a stuck rank: dump all threads' stacks
         import faulthandler
@@ -57,13 +60,15 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
     torch.set_num_threads(spec.threads_per_rank)
     torch.manual_seed(spec.seed)
     counting.enable_flight_recorder()
-    counting.install(spec.comm_delay_s)
     device = torch.device("cpu")
     if spec.device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank))
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
-    if spec.strategy != "reference":
+    hook = counting.install(spec.comm_delay_s)
+    with hook._lock:
+        hook.calls.clear()  # a previous spec of the same processes
+    if spec.strategy != "reference" and not dist.is_initialized():
         if port is not None:
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", rank=rank, world_size=world,
@@ -116,7 +121,8 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
         "peak_memory_bytes": peak, "peak_memory_method": method,
     }
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    with open(Path(out_dir) / f"rank{rank}.json", "w", encoding="utf-8") as handle:
+    name = f"rank{rank}.json" if index == 0 else f"rank{rank}-{index}.json"
+    with open(Path(out_dir) / name, "w", encoding="utf-8") as handle:
         json.dump(result, handle)
     close = getattr(trainer, "close", None)
     if close is not None:
@@ -130,12 +136,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.spec, encoding="utf-8") as handle:
         data = json.load(handle)
-    spec: RunSpec = from_mapping(data)
+    several = data if isinstance(data, list) else [data]  # several specs: run one after the other
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world != spec.world_size:
-        print(f"hzpsim: error: the spec is for {spec.world_size} ranks, torchrun started {world}", file=sys.stderr)
-        return 2
-    run_rank(rank, world, data, args.out)
+    for index, item in enumerate(several):
+        spec: RunSpec = from_mapping(item)
+        expected = 1 if spec.strategy == "reference" else spec.world_size
+        if world != expected:
+            print(f"hzpsim: error: the spec is for {expected} ranks, torchrun started {world}", file=sys.stderr)
+            return 2
+        run_rank(rank, world, item, args.out, index=index)
     sys.stdout.flush()
     sys.stderr.flush()
     # The results are written. Tearing down gloo process groups (dozens with AsyncHZP's

@@ -81,6 +81,47 @@ def load_profile(path: str | None) -> dict[str, Any]:
     return data
 
 
+def fit_fabric_to_simulator(collectives: list[dict[str, Any]], world: int) -> dict[str, float]:
+    """Per-step latency and bandwidth of the ``local-cpu`` island that make hzpsim's OWN
+    collective model (sim/collectives.py: NCCL's algorithms and protocols, the protocol chosen per
+    size) reproduce the measured all-gather, reduce-scatter and all-reduce times best (least
+    squares on log time: every size counts alike). A fit of the textbook ring formula would be
+    wrong here, because the simulator runs latency-bound calls with NCCL's LL protocol, which
+    pays only a fraction of the step latency (gloo has no such protocol)."""
+    import numpy as np
+
+    from hzpsim.cluster.topology import ClusterSpec, Topology
+    from hzpsim.sim.collectives import CollectiveModel
+
+    rows = [r for r in collectives if r["kind"] in ("all_gather", "reduce_scatter", "all_reduce") and r["time_s"] > 0]
+    if not rows:
+        raise ScenarioError("calibrate: no collective measurements to fit")
+
+    def error(latency: float, bandwidth: float) -> float:
+        spec = ClusterSpec(preset="local-cpu", gpus_per_node=world, intra_node_bytes_per_s=bandwidth,
+                           inter_node_bytes_per_s_per_device=bandwidth, intra_node_latency_s=latency,
+                           inter_node_latency_s=latency, intra_node_efficiency=1.0, inter_node_efficiency=1.0)
+        topology = Topology(spec)
+        model = CollectiveModel(topology)
+        total = 0.0
+        for r in rows:
+            span = topology.span(list(range(r["group_size"])))
+            predicted = model.plan(r["kind"], r["size_bytes"], span).isolated_time_s
+            total += (math.log(predicted) - math.log(r["time_s"])) ** 2
+        return total
+
+    latencies = np.logspace(-6, -1.5, 28)
+    bandwidths = np.logspace(7, 11, 28)
+    best = min((error(a, b), a, b) for a in latencies for b in bandwidths)
+    _, a, b = best
+    for _ in range(2):  # refine around the best grid point
+        latencies = a * np.logspace(-0.2, 0.2, 9)
+        bandwidths = b * np.logspace(-0.2, 0.2, 9)
+        _, a, b = min((error(x, y), x, y) for x in latencies for y in bandwidths)
+    return {"intra_node_latency_s": float(a), "inter_node_latency_s": float(a),
+            "intra_node_bytes_per_s": float(b), "inter_node_bytes_per_s_per_device": float(b)}
+
+
 def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any], comm_delay_s: float = 0.0,
                        filters: Sequence[str] = ()) -> Scenario:
     """The simulator's scenario: ``raw`` on one local-cpu node of ``world`` devices, with the

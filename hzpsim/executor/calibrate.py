@@ -10,9 +10,11 @@ numbers are what one rank gets while the others work too:
   all-to-all and send/recv for a sweep of sizes (NCCL-tests convention: the full buffer) and
   group sizes (2 and --world), plus the host cost of one call (the smallest all-reduce).
 
-The profile (YAML) holds ``device`` (the simulator's ``cpu-local`` device fields), ``cluster``
-(the fabric fields of the ``local-cpu`` preset: bandwidth and per-step latency fitted to hzpsim's
-own ring model, see :func:`fit_fabric`) and the raw ``measurements``. Without ``--out`` it is
+The profile (YAML) holds ``device`` (the simulator's ``cpu-local`` device fields: the median
+GEMM rate of the sweep and the median memory-bound rate), ``cluster`` (the fabric fields of the
+``local-cpu`` preset: per-step latency and bandwidth; the CLI fits them to the simulator's own
+collective model, ``hzpsim.validate_executor.fit_fabric_to_simulator``; :func:`fit_fabric` is the
+textbook ring fit, kept under ``measurements.ring_formula_fit``) and the raw ``measurements``. Without ``--out`` it is
 written to the user config folder (``$HZPSIM_CONFIG_DIR`` or ``~/.config/hzpsim``) as
 ``topologies/local-cpu.yaml`` + ``devices/cpu-local.yaml``, which ``local-cpu`` then uses. Run::
 
@@ -225,8 +227,13 @@ def _bar(log: Path, stream: TextIO, state: dict[str, str]) -> None:
     stream.flush()
 
 
-def calibrate_machine(world: int, out: str | None, quick: bool = False, progress: TextIO | None = None) -> Path:
-    """Run the benchmarks on ``world`` processes and write the profile; returns its path."""
+def calibrate_machine(world: int, out: str | None, quick: bool = False, progress: TextIO | None = None,
+                      refit=None) -> Path:
+    """Run the benchmarks on ``world`` processes and write the profile; returns its path.
+
+    ``refit(collectives, world) -> cluster fields`` replaces the ring-formula fit of the fabric
+    (the CLI passes hzpsim.validate_executor.fit_fabric_to_simulator, which fits the simulator's
+    own collective model; this package does not import the simulator)."""
     from hzpsim.executor.runner import launch
 
     state: dict[str, str] = {}
@@ -239,6 +246,9 @@ def calibrate_machine(world: int, out: str | None, quick: bool = False, progress
             progress.write("\n")
         per_rank = json.loads((Path(tmp) / "bench.json").read_text(encoding="utf-8"))
     profile = build_profile(per_rank, world)
+    if refit is not None:
+        profile["measurements"]["ring_formula_fit"] = dict(profile["cluster"])
+        profile["cluster"].update(refit(profile["measurements"]["collectives"], world))
     return write_profile(profile, out)
 
 

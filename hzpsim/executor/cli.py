@@ -97,7 +97,9 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if not 1 <= args.world <= 16:
         raise ScenarioError(f"--world: {args.world} is not between 1 and 16")
     from hzpsim.executor.calibrate import calibrate_machine
+    from hzpsim.validate_executor import fit_fabric_to_simulator
 
-    path = calibrate_machine(args.world, args.out, quick=args.quick, progress=sys.stderr)
+    path = calibrate_machine(args.world, args.out, quick=args.quick, progress=sys.stderr,
+                             refit=fit_fabric_to_simulator)
     print(f"wrote {path}")
     return 0

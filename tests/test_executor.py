@@ -276,3 +276,25 @@ def test_asynchzp_background_threads_overlap_a_slow_network():
     saving_measured = measured[False] - measured[True]
     saving_predicted = predicted[False] - predicted[True]
     assert abs(saving_predicted / saving_measured - 1) <= 0.30, (measured, predicted)
+
+
+@pytest.mark.slow
+def test_calibrate_machine_writes_a_profile_the_simulator_reads(tmp_path, monkeypatch, capsys):
+    """``hzpsim calibrate machine`` without --out writes the local-cpu preset and the cpu-local
+    device override into the user config folder; the simulator then uses both."""
+    pytest.importorskip("torch")
+    import yaml
+
+    from hzpsim.cluster.devices import get_device
+    from hzpsim.scenario import load_scenario
+
+    monkeypatch.setenv("HZPSIM_CONFIG_DIR", str(tmp_path))
+    assert main(["calibrate", "machine", "--world", "2", "--quick"]) == 0
+    captured = capsys.readouterr()
+    assert "calibrating [" in captured.err  # the progress bar
+    device = yaml.safe_load((tmp_path / "devices" / "cpu-local.yaml").read_text())
+    preset = yaml.safe_load((tmp_path / "topologies" / "local-cpu.yaml").read_text())
+    assert get_device("cpu-local").peak_fp32_flops_per_s == pytest.approx(device["peak_fp32_flops_per_s"])
+    scenario = load_scenario(ROOT / "examples" / "executor-world4.yaml")
+    assert scenario.topology.link("island").latency_s == pytest.approx(preset["intra_node_latency_s"])
+    assert main(["run", str(ROOT / "examples" / "executor-world4.yaml"), "--set", "strategy.name=zero"]) == 0

@@ -135,8 +135,9 @@ class FSDPTrainer:
         self.spec, self.device = spec, device
         n = spec.world_size
         self.hsdp = spec.strategy == "hsdp"
+        g = spec.layout.shard_group_size or n
+        self.hsdp = self.hsdp and g < n  # one replica: HSDP is ZeRO-3 (FSDP2 would all-reduce over 1 rank)
         if self.hsdp:
-            g = spec.layout.shard_group_size or n
             self.replicas = n // g
             mesh = init_device_mesh(device.type, (self.replicas, g), mesh_dim_names=("replicate", "shard"))
         else:

@@ -270,6 +270,10 @@ def _row(scenario: Scenario, choice: StrategyChoice, spec, measured, predicted: 
         "predicted_peak_memory_bytes": report["peak_memory_bytes"],
         "loss_max_abs_diff_vs_reference": loss_diff,
         "scenario": _plain(mapping),
+        # device rates of the profile (a scenario mapping cannot carry them; `hzpsim calibrate
+        # machine` without --out installs them for `hzpsim run`)
+        "device": _plain({k: getattr(scenario.topology.device, k) for k in (
+            "name", "peak_fp32_flops_per_s", "memory_bytes_per_s")}),
         "measured_model_state_breakdown_bytes": measured.model_state_breakdown_bytes,
         "measured_other_collective_counts": measured.other_collective_counts,
         "counting_complete": measured.counting_complete,

@@ -64,10 +64,6 @@ def _nbytes(tensors) -> int:
     return sum(_nbytes(t) for t in tensors)
 
 
-def _first(tensors) -> torch.Tensor:
-    return tensors if isinstance(tensors, torch.Tensor) else _first(tensors[0])
-
-
 # (operator, kind, bytes(args), group size(args) or None)
 _C10D = {
     "_allgather_base_": ("all_gather", lambda a: _nbytes(a[0]), lambda a: a[0].numel() // max(a[1].numel(), 1)),

@@ -52,6 +52,20 @@ def test_executor_never_imports_the_simulator():
     assert not offenders, offenders
 
 
+def test_loading_the_executor_loads_no_simulator_module():
+    """Transitively too: importing every executor module (a fresh interpreter) loads nothing
+    of hzpsim.sim, the planner or the report."""
+    pytest.importorskip("torch")
+    import subprocess
+
+    modules = [f"hzpsim.executor.{p.stem}" for p in sorted((ROOT / "hzpsim" / "executor").glob("*.py"))
+               if p.stem != "__init__"]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+            + "print(sorted(m for m in sys.modules if m.startswith(('hzpsim.sim', 'hzpsim.planner', 'hzpsim.report'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def test_import_checker_catches_a_sim_import(tmp_path):
     """The AST scan above can fail: it flags ``from hzpsim.sim import engine``."""
     tree = ast.parse("from hzpsim.sim import engine\nimport hzpsim.sim.compute\n")

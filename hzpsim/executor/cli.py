@@ -19,9 +19,12 @@ from typing import Any
 from hzpsim.config import ScenarioError
 
 
-def register(sub: argparse._SubParsersAction, validate_targets: argparse._SubParsersAction | None = None) -> None:
+def register(sub: argparse._SubParsersAction,
+             validate_targets: argparse._SubParsersAction | None = None) -> dict[str, argparse._SubParsersAction]:
     """Add ``execute`` and ``calibrate`` (a subcommand group with ``machine``) to ``sub``, and
-    ``executor`` to the ``validate`` group when given."""
+    ``executor`` to the ``validate`` group when given. Returns the ``calibrate`` group
+    (``{"calibrate": ...}``) so that other targets (e.g. ``calibrate published``) can join it;
+    a target without a ``handler`` default is left to the caller's dispatch."""
     from hzpsim import validate_executor
 
     p = sub.add_parser("execute", help="run a scenario's strategies for real with torch.distributed (executor)")
@@ -47,6 +50,7 @@ def register(sub: argparse._SubParsersAction, validate_targets: argparse._SubPar
         executor = validate_targets.add_parser("executor", help="executor vs simulator on the same scenario")
         validate_executor.add_arguments(executor)
         executor.set_defaults(handler=validate_executor.run_from_args)
+    return {"calibrate": what}
 
 
 def _cmd_execute(args: argparse.Namespace) -> int:

@@ -312,3 +312,32 @@ def test_calibrate_machine_writes_a_profile_the_simulator_reads(tmp_path, monkey
     scenario = load_scenario(ROOT / "examples" / "executor-world4.yaml")
     assert scenario.topology.link("island").latency_s == pytest.approx(preset["intra_node_latency_s"])
     assert main(["run", str(ROOT / "examples" / "executor-world4.yaml"), "--set", "strategy.name=zero"]) == 0
+
+
+@pytest.mark.slow
+def test_validate_executor_cli_json_contract(capsys, monkeypatch, tmp_path):
+    """`hzpsim validate executor --json`: a list of objects with the contract's keys, every
+    collective kind present in the count and byte mappings, and a scenario `hzpsim run` accepts."""
+    pytest.importorskip("torch")
+    import json
+
+    import yaml
+
+    monkeypatch.chdir(ROOT)
+    assert main(["validate", "executor", "--world", "2", "--strategies", "asynchzp", "--steps", "3", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    keys = {"strategy", "world_size", "measured_step_time_s", "predicted_step_time_s", "measured_comm_bytes",
+            "predicted_comm_bytes", "measured_collective_counts", "predicted_collective_counts",
+            "measured_model_state_bytes", "predicted_model_state_bytes", "measured_peak_memory_bytes",
+            "predicted_peak_memory_bytes", "loss_max_abs_diff_vs_reference", "scenario"}
+    kinds = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv"}
+    [row] = rows
+    assert keys <= set(row)
+    assert row["strategy"] == "asynchzp" and row["world_size"] == 2
+    for key in ("measured_comm_bytes", "predicted_comm_bytes", "measured_collective_counts", "predicted_collective_counts"):
+        assert set(row[key]) == kinds and all(isinstance(v, int) for v in row[key].values())
+    assert row["measured_collective_counts"] == row["predicted_collective_counts"]
+    path = tmp_path / "scenario.yaml"
+    path.write_text(yaml.safe_dump(row["scenario"]))
+    assert main(["run", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["strategy_resolved"]["name"] == "asynchzp"

@@ -23,6 +23,7 @@ from typing import Any
 from hzpsim import __version__, strategies, validation
 from hzpsim.cluster.devices import DEVICES
 from hzpsim.config import ScenarioError, key_of
+from hzpsim.executor import cli as executor_cli
 from hzpsim.ops import GraphError, SimulatorFault
 from hzpsim.planner import choose, format_decisions, run_choice
 from hzpsim.presets import list_presets
@@ -172,6 +173,7 @@ def make_parser() -> argparse.ArgumentParser:
     what = p.add_subparsers(dest="target", required=True)
     published = what.add_parser("published", help="the published large runs in hzpsim/data/published_calibration.csv")
     validation.add_arguments(published)
+    executor_cli.register(sub, what)  # execute, calibrate machine, validate executor (needs torch)
     p = sub.add_parser("list", help="list devices, cluster presets, workloads and strategies")
     p.add_argument("what", nargs="?", choices=("devices", "presets", "topologies", "workloads", "models", "strategies"))
     return parser
@@ -182,6 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "list":
             return _cmd_list(args)
+        if hasattr(args, "handler"):
+            return int(args.handler(args))
         if args.command == "validate":
             return validation.run_from_args(args)
         return _cmd_run(args, compare=args.command == "compare")

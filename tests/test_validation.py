@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import math
+import os
 from pathlib import Path
 
 import pandas as pd

@@ -20,7 +20,7 @@ Conventions (apply to every entry):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
@@ -215,9 +215,35 @@ DEVICES: dict[str, Device] = {
 }
 
 
-def get_device(name: str) -> Device:
-    """Catalog lookup; ValueError naming the known devices if ``name`` is unknown."""
+def get_device(name: str, overrides: tuple[tuple[str, float], ...] = ()) -> Device:
+    """Catalog lookup (pure: no files), with measured ``overrides`` (field, value) applied;
+    ValueError naming the known devices if ``name`` is unknown."""
     try:
-        return DEVICES[name]
+        device = DEVICES[name]
     except KeyError:
         raise ValueError(f"unknown device {name!r} (known: {', '.join(sorted(DEVICES))})") from None
+    if not overrides:
+        return device
+    return replace(device, source=f"{device.source} Calibrated: {dict(overrides)}.", **dict(overrides))  # type: ignore[arg-type]
+
+
+CALIBRATED_FIELDS = ("peak_bf16_flops_per_s", "peak_fp16_flops_per_s", "peak_fp32_flops_per_s",
+                     "memory_bytes_per_s", "memory_bytes")
+
+
+def calibration_overrides(name: str) -> tuple[tuple[str, float], ...]:
+    """Measured rates of device ``name`` that ``hzpsim calibrate machine`` (without ``--out``)
+    wrote to ``<user config>/devices/<name>.yaml``, as (field, value) pairs; () if none. Read
+    once, at scenario load (``ClusterSpec.resolved``), never by a Topology."""
+    from pathlib import Path
+
+    import yaml
+
+    from hzpsim.presets import user_config_dir
+
+    path = Path(user_config_dir()) / "devices" / f"{name}.yaml"
+    if not path.is_file():
+        return ()
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return tuple((k, float(v)) for k, v in sorted(data.items())
+                 if k in CALIBRATED_FIELDS and isinstance(v, int | float) and v > 0)

@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from .devices import Device, get_device
+from .devices import Device, calibration_overrides, get_device
 
 if TYPE_CHECKING:  # pragma: no cover
     import networkx as nx
@@ -227,7 +227,7 @@ class ClusterSpec:
             k: v if isinstance(v, str) else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
             for k, v in values.items()
         }
-        return ResolvedCluster(**typed)
+        return ResolvedCluster(**typed, device_overrides=calibration_overrides(typed["device"]))
 
 
 def _check_islands_divide(gpus_per_node: int | None, islands_per_node: int | None) -> None:
@@ -284,6 +284,8 @@ class ResolvedCluster:
     """Coefficient of variation of a rank's time between synchronisations (0 = off)."""
     variability_seed: int
     """Seed of the sampled draws under ``--expand``."""
+    device_overrides: tuple[tuple[str, float], ...] = ()
+    """Measured device rates (field, value) from ``hzpsim calibrate machine``, read at load."""
 
 
 def _is_number(v: object) -> bool:
@@ -363,7 +365,7 @@ class Topology:
                 "(use build_topology(spec) or spec.resolved())"
             )
         self.spec: ResolvedCluster = spec
-        self.device: Device = get_device(spec.device)
+        self.device: Device = get_device(spec.device, spec.device_overrides)
         if spec.device_memory_bytes != self.device.memory_bytes:  # e.g. a 96 GB H100 variant
             self.device = replace(self.device, memory_bytes=spec.device_memory_bytes)
         self.num_nodes: int = spec.num_nodes

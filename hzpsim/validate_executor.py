@@ -1,0 +1,373 @@
+"""``hzpsim validate executor``: run the real-torch executor and the simulator on the same scenario.
+
+For each strategy the executor runs (``hzpsim.executor``, which never imports ``hzpsim.sim``)
+this module builds the simulator's program for the same model, batch, layout and world size on
+the ``local-cpu`` preset (optionally with a ``hzpsim calibrate machine`` profile) and compares:
+
+- collective counts and bytes per kind for one step, summed over all ranks: the simulator's
+  collective ops of its reported step, each counted once per participating rank (the graph is
+  built with every rank expanded; a send counts on its sender);
+- model-state bytes (params + grads + optimizer) summed over all ranks: the simulator's static
+  memory of every rank;
+- step time (simulated ``step_time_s`` vs the slowest rank's median), peak memory (the
+  simulator's worst rank vs the executor's largest rank) and the loss against the
+  single-process reference.
+
+Run it::
+
+    hzpsim validate executor --world 4 --json
+    python -m hzpsim.validate_executor --world 2 --strategies zero3
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hzpsim import strategies
+from hzpsim.config import ScenarioError
+from hzpsim.ops import COLLECTIVE, COLLECTIVE_KINDS
+from hzpsim.scenario import Scenario, StrategyChoice, scenario_from_mapping
+
+#: The validation scenario (also ``examples/executor-world4.yaml``): a small Llama-style model in
+#: fp32 on the local CPU box; strategies for world size 4 (the CLI adapts the sizes to --world).
+DEFAULT_SCENARIO: dict[str, Any] = {
+    "name": "executor-validation",
+    "model": {"name": "exec-small", "num_layers": 4, "hidden_size": 128, "num_heads": 4, "num_kv_heads": 2,
+              "ffn_hidden_size": 352, "vocab_size": 512, "seq_len": 64, "dropout": False},
+    "training": {"global_batch_size": 8, "micro_batch_size": 1, "precision": "fp32", "grad_dtype": "fp32",
+                 "activation_recompute": "none"},
+    "cluster": {"preset": "local-cpu"},
+    "strategies": [
+        {"name": "zero", "stage": 3},
+        {"name": "hsdp", "shard_group_size": 2},
+        {"name": "nd", "tp": 2, "pp": 2, "sequence_parallel": True},
+        {"name": "nd", "tp": 2, "dp": 2, "sequence_parallel": True},
+        {"name": "asynchzp", "param_group_size": 2, "grad_group_size": 2, "optim_group_size": 4},
+    ],
+}
+
+STRATEGY_FILTERS = {"zero3": ("zero", {"stage": 3}), "zero2": ("zero", {"stage": 2}), "hsdp": ("hsdp", {}),
+                    "nd": ("nd", {}), "asynchzp": ("asynchzp", {})}
+
+_PROFILE_CLUSTER_KEYS = ("intra_node_bytes_per_s", "inter_node_bytes_per_s_per_device", "intra_node_latency_s",
+                         "inter_node_latency_s", "intra_node_efficiency", "inter_node_efficiency")
+_PROFILE_DEVICE_KEYS = ("peak_fp32_flops_per_s", "peak_bf16_flops_per_s", "peak_fp16_flops_per_s",
+                        "memory_bytes_per_s", "memory_bytes")
+
+
+def load_profile(path: str | None) -> dict[str, Any]:
+    """A ``hzpsim calibrate machine`` profile ({device: {...}, cluster: {...}}), or {}."""
+    if path is None:
+        return {}
+    file = Path(path)
+    if not file.is_file():
+        raise ScenarioError(f"--profile {path}: no such file")
+    try:
+        data = yaml.safe_load(file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ScenarioError(f"--profile {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("device"), dict) or not isinstance(data.get("cluster"), dict):
+        raise ScenarioError(f"--profile {path}: expected a mapping with 'device' and 'cluster' (hzpsim calibrate machine)")
+    return data
+
+
+def fit_fabric_to_simulator(collectives: list[dict[str, Any]], world: int) -> dict[str, float]:
+    """Per-step latency and bandwidth of the ``local-cpu`` island that make hzpsim's OWN
+    collective model (sim/collectives.py: NCCL's algorithms and protocols, the protocol chosen per
+    size) reproduce the measured all-gather, reduce-scatter and all-reduce times best (least
+    squares on log time: every size counts alike). A fit of the textbook ring formula would be
+    wrong here, because the simulator runs latency-bound calls with NCCL's LL protocol, which
+    pays only a fraction of the step latency (gloo has no such protocol)."""
+    import numpy as np
+
+    from hzpsim.cluster.topology import ClusterSpec, build_topology
+    from hzpsim.sim.collectives import CollectiveModel
+
+    rows = [r for r in collectives if r["kind"] in ("all_gather", "reduce_scatter", "all_reduce") and r["time_s"] > 0]
+    if not rows:
+        raise ScenarioError("calibrate: no collective measurements to fit")
+
+    def error(latency: float, bandwidth: float) -> float:
+        spec = ClusterSpec(preset="local-cpu", gpus_per_node=world, intra_node_bytes_per_s=bandwidth,
+                           inter_node_bytes_per_s_per_device=bandwidth, intra_node_latency_s=latency,
+                           inter_node_latency_s=latency, intra_node_efficiency=1.0, inter_node_efficiency=1.0)
+        topology = build_topology(spec)
+        model = CollectiveModel(topology)
+        total = 0.0
+        for r in rows:
+            span = topology.span(list(range(r["group_size"])))
+            predicted = model.plan(r["kind"], r["size_bytes"], span).isolated_time_s
+            total += (math.log(predicted) - math.log(r["time_s"])) ** 2
+        return total
+
+    latencies = np.logspace(-6, -1.5, 28)
+    bandwidths = np.logspace(7, 11, 28)
+    best = min((error(a, b), a, b) for a in latencies for b in bandwidths)
+    _, a, b = best
+    for _ in range(2):  # refine around the best grid point
+        latencies = a * np.logspace(-0.2, 0.2, 9)
+        bandwidths = b * np.logspace(-0.2, 0.2, 9)
+        _, a, b = min((error(x, y), x, y) for x in latencies for y in bandwidths)
+    return {"intra_node_latency_s": float(a), "inter_node_latency_s": float(a),
+            "intra_node_bytes_per_s": float(b), "inter_node_bytes_per_s_per_device": float(b)}
+
+
+def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any], comm_delay_s: float = 0.0,
+                       filters: Sequence[str] = ()) -> Scenario:
+    """The simulator's scenario: ``raw`` on one local-cpu node of ``world`` devices, with the
+    profile's fabric numbers (latency + the executor's artificial per-call delay) and device."""
+    data = copy.deepcopy(raw)
+    cluster = dict(data.get("cluster") or {})
+    cluster.update({"preset": cluster.get("preset", "local-cpu"), "gpus_per_node": world, "num_nodes": 1})
+    for key in _PROFILE_CLUSTER_KEYS:
+        if key in profile.get("cluster", {}):
+            cluster[key] = float(profile["cluster"][key])
+    if comm_delay_s:
+        # hzpsim has no per-call host cost; its per-ring-step latency is the knob. The topology's
+        # latency is NCCL's ring/Simple step; a latency-bound call runs with LL, whose step
+        # costs hwLat[LL] / hwLat[Simple] of it, so the delay is scaled by the inverse of that
+        # ratio: a latency-bound ring step then pays exactly the delay.
+        from hzpsim.sim.collectives import _HW_LATENCY_S
+
+        ll_ratio = _HW_LATENCY_S[("nvlink", "ring")][0] / _HW_LATENCY_S[("nvlink", "ring")][2]
+        base = scenario_from_mapping({**data, "cluster": cluster, "strategies": [{"name": "zero"}]}).cluster
+        cluster["intra_node_latency_s"] = float(base.intra_node_latency_s or 0.0) + comm_delay_s / ll_ratio
+        cluster["inter_node_latency_s"] = float(base.inter_node_latency_s or 0.0) + comm_delay_s / ll_ratio
+    data["cluster"] = cluster
+    entries = data.get("strategies") or [data.get("strategy")]
+    data.pop("strategy", None)
+    data["strategies"] = [_fit_world(dict(e), world) for e in entries if _selected(dict(e), filters)]
+    if not data["strategies"]:
+        raise ScenarioError(f"--strategies {','.join(filters)}: no strategy of the scenario matches")
+    scenario = scenario_from_mapping(data, source=str(raw.get("name", "<executor>")))
+    device = profile.get("device", {})
+    if device:
+        topology = scenario.topology
+        changes: dict[str, Any] = {k: float(device[k]) for k in _PROFILE_DEVICE_KEYS if k in device}
+        topology.device = dataclasses.replace(topology.device, **changes)
+    return scenario
+
+
+def _selected(entry: dict[str, Any], filters: Sequence[str]) -> bool:
+    if not filters:
+        return True
+    for f in filters:
+        name, fields = STRATEGY_FILTERS[f]
+        if entry.get("name") == name and all(entry.get(k, 3 if k == "stage" else None) == v for k, v in fields.items()):
+            return True
+    return False
+
+
+def _fit_world(entry: dict[str, Any], world: int) -> dict[str, Any]:
+    """Shrink group sizes that do not divide ``world`` (e.g. the world-4 defaults at --world 2)."""
+    name = entry.get("name")
+    if name == "hsdp" and entry.get("shard_group_size") and world % entry["shard_group_size"]:
+        entry["shard_group_size"] = world
+    if name == "hsdp" and entry.get("shard_group_size", 0) > world:
+        entry["shard_group_size"] = world
+    if name == "nd":
+        tp, pp = entry.get("tp", 1), entry.get("pp", 1)
+        while tp * pp > world or world % (tp * pp):
+            if pp > 1:
+                pp //= 2
+            else:
+                tp //= 2
+        entry.update(tp=max(tp, 1), pp=max(pp, 1))
+        if entry.get("dp") is not None:
+            entry["dp"] = world // (entry["tp"] * entry["pp"])
+        if entry["tp"] == 1:
+            entry["sequence_parallel"] = False
+    if name == "asynchzp":
+        for key in ("param_group_size", "grad_group_size", "optim_group_size"):
+            if entry.get(key) and (entry[key] > world or world % entry[key]):
+                entry[key] = world
+    return entry
+
+
+# ---------------------------------------------------------------------------------- simulator side
+
+
+def predicted_collectives(scenario: Scenario, choice: StrategyChoice) -> dict[str, dict[str, int]]:
+    """Counts and bytes per kind of the simulator's reported step, summed over all ranks."""
+    plugin = strategies.get(choice.name)
+    config = plugin.resolve(choice.config, scenario.topology) if hasattr(plugin, "resolve") else choice.config
+    graph = plugin.build(config, scenario.model, scenario.training, scenario.topology, expand=True)
+    step = scenario.training.num_steps - 1
+    counts = dict.fromkeys(COLLECTIVE_KINDS, 0)
+    sizes = dict.fromkeys(COLLECTIVE_KINDS, 0)
+    for op in graph.ops:
+        if op.kind != COLLECTIVE or op.step != step or op.collective not in counts:
+            continue
+        calls = len(op.ranks) * op.count
+        counts[op.collective] += calls
+        sizes[op.collective] += int(round(op.size_bytes * calls))
+    states = 0.0
+    for memory in graph.static_memory.values():
+        states += sum(memory.get(k, 0.0) for k in ("params", "grads", "optimizer"))
+    return {"counts": counts, "bytes": sizes, "model_state_bytes": {"total": int(round(states))}}
+
+
+def predicted_report(scenario: Scenario, choice: StrategyChoice) -> dict[str, Any]:
+    from hzpsim.planner import run_choice
+
+    return run_choice(scenario, choice)
+
+
+# ---------------------------------------------------------------------------------- comparison
+
+
+def compare(scenario: Scenario, world: int, *, num_steps: int = 6, comm_delay_s: float = 0.0,
+            threads_per_rank: int = 1, timeout_s: float = 900.0, measure_memory: bool = True) -> list[dict[str, Any]]:
+    """Run every strategy of ``scenario`` on the executor and the simulator; one row each."""
+    from hzpsim.executor.runner import max_loss_diff, reference_losses, run_many
+    from hzpsim.executor.spec import run_specs
+
+    specs = run_specs(scenario, world, num_steps=num_steps, comm_delay_s=comm_delay_s,
+                      threads_per_rank=threads_per_rank, measure_memory=measure_memory)
+    rows = []
+    results = run_many(specs, timeout_s=timeout_s)
+    for spec, choice, measured in zip(specs, scenario.strategies, results):
+        reference = reference_losses(spec)
+        predicted = predicted_collectives(scenario, choice)
+        report = predicted_report(scenario, choice)
+        rows.append(_row(scenario, choice, spec, measured, predicted, report, max_loss_diff(measured, reference)))
+    return rows
+
+
+def _row(scenario: Scenario, choice: StrategyChoice, spec, measured, predicted: dict[str, Any],
+         report: dict[str, Any], loss_diff: float) -> dict[str, Any]:
+    resolved = report["strategy_resolved"]
+    mapping = {
+        "model": dataclasses.asdict(scenario.model),
+        "training": dataclasses.asdict(scenario.training),
+        "cluster": {k: v for k, v in dataclasses.asdict(scenario.cluster).items() if v is not None},
+        "strategy": resolved,
+    }
+    mapping["model"]["moe"] = mapping["model"]["moe"] if scenario.model.moe else None
+    row = {
+        "strategy": spec.strategy,
+        "label": spec.label,
+        "world_size": spec.world_size,
+        "measured_step_time_s": measured.step_time_s,
+        "predicted_step_time_s": report["step_time_s"],
+        "measured_comm_bytes": measured.comm_bytes,
+        "predicted_comm_bytes": predicted["bytes"],
+        "measured_collective_counts": measured.collective_counts,
+        "predicted_collective_counts": predicted["counts"],
+        "measured_model_state_bytes": measured.model_state_bytes,
+        "predicted_model_state_bytes": predicted["model_state_bytes"]["total"],
+        "measured_peak_memory_bytes": measured.peak_memory_bytes,
+        "predicted_peak_memory_bytes": report["peak_memory_bytes"],
+        "loss_max_abs_diff_vs_reference": loss_diff,
+        "scenario": _plain(mapping),
+        # device rates of the profile (a scenario mapping cannot carry them; `hzpsim calibrate
+        # machine` without --out installs them for `hzpsim run`)
+        "device": _plain({k: getattr(scenario.topology.device, k) for k in (
+            "name", "peak_fp32_flops_per_s", "memory_bytes_per_s")}),
+        "measured_model_state_breakdown_bytes": measured.model_state_breakdown_bytes,
+        "measured_other_collective_counts": measured.other_collective_counts,
+        "counting_complete": measured.counting_complete,
+        "peak_memory_method": measured.peak_memory_method,
+        "losses": measured.losses,
+    }
+    row["differences"] = differences(row)
+    return row
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+def differences(row: dict[str, Any]) -> list[str]:
+    """Where executor and simulator disagree on counts, bytes or model states, in words."""
+    out = []
+    for key in ("collective_counts", "comm_bytes"):
+        m, p = row[f"measured_{key}"], row[f"predicted_{key}"]
+        for kind in COLLECTIVE_KINDS:
+            if m[kind] != p[kind]:
+                out.append(f"{key}.{kind}: measured {m[kind]}, predicted {p[kind]}")
+    if row["measured_model_state_bytes"] != row["predicted_model_state_bytes"]:
+        out.append(f"model_state_bytes: measured {row['measured_model_state_bytes']}, "
+                   f"predicted {row['predicted_model_state_bytes']}")
+    return out
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    header = (f"{'strategy':<40} {'step s meas':>11} {'pred':>8} {'err':>6} {'counts':>7} {'bytes':>6} "
+              f"{'states':>7} {'peak MiB meas':>13} {'pred':>7} {'loss diff':>9}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        err = r["predicted_step_time_s"] / r["measured_step_time_s"] - 1 if r["measured_step_time_s"] else math.nan
+        same = lambda key, r=r: "equal" if r[f"measured_{key}"] == r[f"predicted_{key}"] else "DIFF"  # noqa: E731
+        lines.append(
+            f"{r['label'][:40]:<40} {r['measured_step_time_s']:>11.4f} {r['predicted_step_time_s']:>8.4f} {err:>+6.0%} "
+            f"{same('collective_counts'):>7} {same('comm_bytes'):>6} {same('model_state_bytes'):>7} "
+            f"{r['measured_peak_memory_bytes'] / 2**20:>13.1f} {r['predicted_peak_memory_bytes'] / 2**20:>7.1f} "
+            f"{r['loss_max_abs_diff_vs_reference']:>9.1e}")
+        for d in r["differences"]:
+            lines.append(f"    {d}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in executor-validation one)")
+    parser.add_argument("--profile", help="device + fabric profile written by `hzpsim calibrate machine`")
+    parser.add_argument("--strategies", default="zero3,hsdp,nd,asynchzp",
+                        help="comma-separated subset of zero3,zero2,hsdp,nd,asynchzp")
+    parser.add_argument("--world", type=int, default=4, help="processes (default 4)")
+    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (default 6)")
+    parser.add_argument("--comm-delay", type=float, default=0.0, help="artificial host delay per collective call, s")
+    parser.add_argument("--json", action="store_true", help="print the list of comparison objects as JSON")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    from hzpsim.executor import require_torch
+
+    require_torch()
+    filters = [f.strip() for f in args.strategies.split(",") if f.strip()]
+    unknown = [f for f in filters if f not in STRATEGY_FILTERS]
+    if unknown:
+        raise ScenarioError(f"--strategies: unknown {unknown[0]!r} (known: {', '.join(STRATEGY_FILTERS)})")
+    if not 1 <= args.world <= 64:
+        raise ScenarioError(f"--world: {args.world} is not between 1 and 64")
+    if args.steps < 3:
+        raise ScenarioError("--steps: at least 3 (warm-up, counted step, last step)")
+    if args.comm_delay < 0:
+        raise ScenarioError("--comm-delay: must be >= 0")
+    raw = DEFAULT_SCENARIO
+    if args.scenario:
+        from hzpsim.presets import read_yaml
+
+        if not Path(args.scenario).is_file():
+            raise ScenarioError(f"{args.scenario}: no such scenario file")
+        raw = read_yaml(Path(args.scenario))
+        if not isinstance(raw, dict):
+            raise ScenarioError(f"{args.scenario}: a scenario must be a mapping")
+    profile = load_profile(args.profile)
+    scenario = scenario_for_world(raw, args.world, profile, args.comm_delay, filters)
+    rows = compare(scenario, args.world, num_steps=args.steps, comm_delay_s=args.comm_delay)
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+    else:
+        print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    _parser = argparse.ArgumentParser(prog="python -m hzpsim.validate_executor", description=__doc__.split("\n")[0])
+    add_arguments(_parser)
+    try:
+        sys.exit(run_from_args(_parser.parse_args()))
+    except ScenarioError as _exc:
+        print(f"hzpsim: error: {_exc}", file=sys.stderr)
+        sys.exit(2)

@@ -250,7 +250,9 @@ def _row(scenario: Scenario, choice: StrategyChoice, spec, measured, predicted: 
     mapping = {
         "model": dataclasses.asdict(scenario.model),
         "training": dataclasses.asdict(scenario.training),
-        "cluster": {k: v for k, v in dataclasses.asdict(scenario.cluster).items() if v is not None},
+        # the resolved fabric, as scenario keys (the calibrated device is re-read at load)
+        "cluster": {k: v for k, v in dataclasses.asdict(scenario.cluster).items()
+                    if v is not None and k != "device_overrides"},
         "strategy": resolved,
     }
     mapping["model"]["moe"] = mapping["model"]["moe"] if scenario.model.moe else None

@@ -134,4 +134,4 @@ def test_installed_hzpsim_run_json(installed):
         assert report["num_devices"] == 8
         # the installed wheel predicts exactly what the checkout does
         assert report["step_time_s"] == pytest.approx(in_tree["step_time_s"], rel=1e-12)
-        assert report["memory_capacity_bytes"] == pytest.approx(80e9)  # dgx-h100 preset's device
+        assert report["memory_capacity_bytes"] == pytest.approx(81559 * 2**20)  # dgx-h100: the H100 as the driver reports it

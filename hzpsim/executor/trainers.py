@@ -88,7 +88,26 @@ def clip_coefficient(sum_squares: torch.Tensor, max_norm: float) -> torch.Tensor
     return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
 
 
-class ReferenceTrainer:
+class _TorchOptimizerStates:
+    """Model states of a trainer whose parameters, gradients and Adam state live in torch's own
+    objects (the reference and FSDP2: sharded DTensors count their local shards)."""
+
+    net: torch.nn.Module
+    opt: torch.optim.Optimizer
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+    def model_state_bytes(self) -> dict[str, int]:
+        params = list(self.net.parameters())
+        return {"params": sum(tensor_bytes(p) for p in params), "grads": sum(tensor_bytes(p.grad) for p in params),
+                "optimizer": adam_state_bytes(self.opt)}
+
+    def buffer_bytes(self) -> int:
+        return 0
+
+
+class ReferenceTrainer(_TorchOptimizerStates):
     """The single-process baseline every strategy's losses are compared with."""
 
     def __init__(self, spec: RunSpec) -> None:
@@ -113,19 +132,9 @@ class ReferenceTrainer:
         self.zero_grad()
         return total
 
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def model_state_bytes(self) -> dict[str, int]:
-        params = list(self.net.parameters())
-        return {"params": sum(tensor_bytes(p) for p in params), "grads": sum(tensor_bytes(p.grad) for p in params),
-                "optimizer": adam_state_bytes(self.opt)}
-
-    def buffer_bytes(self) -> int:
-        return 0
 
 
-class FSDPTrainer:
+class FSDPTrainer(_TorchOptimizerStates):
     """ZeRO-3 / ZeRO-2 / HSDP with FSDP2 ``fully_shard``."""
 
     def __init__(self, spec: RunSpec, device: torch.device) -> None:
@@ -176,16 +185,6 @@ class FSDPTrainer:
         self.zero_grad()
         return total
 
-    def zero_grad(self) -> None:
-        self.opt.zero_grad(set_to_none=True)
-
-    def model_state_bytes(self) -> dict[str, int]:
-        params = list(self.net.parameters())
-        return {"params": sum(tensor_bytes(p) for p in params), "grads": sum(tensor_bytes(p.grad) for p in params),
-                "optimizer": adam_state_bytes(self.opt)}
-
-    def buffer_bytes(self) -> int:
-        return 0
 
 
 def make_trainer(spec: RunSpec, device: torch.device) -> Trainer:

@@ -5,8 +5,11 @@
     hzpsim run --set model=llama3-8b --set cluster.num_nodes=2
     hzpsim compare scenario.yaml      # every entry of the scenario's `strategies:` list
     hzpsim list                       # devices, cluster presets, workloads, strategies
+    hzpsim search scenario.yaml       # the best layout of every family (hzpsim.search)
+    hzpsim regress goldens.yaml       # predictions against expected values (hzpsim.regress)
 
-Exit codes: 0 ok; 2 invalid input (one line naming what and where); 1 internal error.
+Exit codes: 0 ok; 2 invalid input (one line naming what and where); 1 internal error, or a
+prediction that moved beyond its tolerance (``regress``).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from hzpsim import __version__, strategies, validation
+from hzpsim import __version__, regress, search, strategies, validation
 from hzpsim.cluster.devices import DEVICES
 from hzpsim.config import ScenarioError, key_of
 from hzpsim.ops import GraphError
@@ -83,9 +87,15 @@ def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
         print("note: the scenario has one strategy; give a `strategies:` list to compare several", file=sys.stderr)
     if args.trace and len(scenario.strategies) != 1:
         raise ScenarioError(f"--trace {args.trace}: needs a scenario with one strategy (set strategy.name)")
+    if args.plot:
+        _check_plot_path(args.plot)
     traces: list = []
     results = [choose(scenario, choice, expand=args.expand, traces=traces) for choice in scenario.strategies]
     reports = [report for report, _ in results]
+    if args.plot:
+        from hzpsim import plots
+
+        plots.save(plots.run_figure(reports, traces), args.plot)
     if args.trace:
         with open(args.trace, "w", encoding="utf-8") as handle:
             json.dump(chrome_trace(traces[0]), handle)
@@ -104,7 +114,80 @@ def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
         print(format_summary(scenario))
         print()
         print(format_table(reports))
+        if scenario.source == "<default>":
+            print()
+            print(DEFAULT_NOTE)
     return 0
+
+
+DEFAULT_NOTE = (
+    "These are the built-in scenario's hand-picked layouts (each family at its usual settings, ND at\n"
+    "Megatron's TP8 PP4), not the best of each family: `hzpsim search` finds those (about a minute\n"
+    "here, too slow for this quick default)."
+)
+
+
+def _positive_int(value: str | None, flag: str, default: int | None = None) -> int | None:
+    """``--top 3`` -> 3; one-line ScenarioError for anything but a positive integer."""
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ScenarioError(f"{flag}: expected a positive integer, got {value!r}") from None
+    if number < 1 or number > 10**9:
+        raise ScenarioError(f"{flag}: expected a positive integer, got {value!r}")
+    return number
+
+
+def load_search_scenario(path: str | None, overrides: Sequence[str]) -> Scenario:
+    """The scenario a search starts from: its model, training and cluster (its strategies are
+    ignored; a file without any gets a placeholder, since the search supplies them)."""
+    if path is not None and os.path.isfile(path):
+        from hzpsim.presets import read_yaml
+        from hzpsim.scenario import scenario_from_mapping
+
+        document = read_yaml(Path(path)) or {}
+        if isinstance(document, dict) and "strategy" not in document and "strategies" not in document:
+            return scenario_from_mapping({**document, "strategy": {"name": "zero", "stage": 3}}, overrides, source=path)
+    return load_scenario(path, overrides)
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    top = _positive_int(args.top, "--top", 5)
+    max_evals = _positive_int(args.max_evals, "--max-evals")
+    workers = _positive_int(args.workers, "--workers")
+    families = search.parse_families(args.family)
+    scenario = load_search_scenario(args.scenario, args.set or ())
+    space = search.default_space(scenario)
+    for text in args.space or ():
+        space = space.replace(text)
+    if args.plot:
+        _check_plot_path(args.plot)
+    runner = search.make_runner(args.dask, workers)
+    try:
+        result = search.search(scenario, families, top=top or 5, max_evals=max_evals, space=space, runner=runner,
+                               progress=sys.stderr.isatty(), exhaustive=args.exhaustive)
+    finally:
+        runner.close()
+    if args.plot:
+        from hzpsim import plots
+
+        plots.save(plots.search_landscape(result), args.plot)
+    if args.json:
+        print(to_json(result.to_json()))
+    else:
+        print(search.format_search(result, args.scenario))
+    return 0
+
+
+def _check_plot_path(path: str) -> None:
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in (".png", ".svg", ".pdf"):
+        raise ScenarioError(f"--plot {path}: expected a .png, .svg or .pdf file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ScenarioError(f"--plot {path}: no such directory {folder}")
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -150,6 +233,25 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--explain", action="store_true",
                        help="print where each step goes and the decision table of adaptive choices")
         p.add_argument("--trace", metavar="FILE", help="write the reported step as a Chrome/Perfetto trace (one strategy)")
+        p.add_argument("--plot", metavar="FILE", help="write a figure (PNG/SVG/PDF): the strategies compared; "
+                       "with one strategy, its stream timeline and memory over the step")
+    p = sub.add_parser("search", help="search the whole strategy space for the best layout of each family")
+    p.add_argument("scenario", nargs="?", help="scenario YAML file (omit for the built-in default)")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a field, e.g. cluster.num_nodes=16")
+    p.add_argument("--family", action="append", metavar="NAME[,NAME]",
+                   help="search only these strategies (repeatable; default: all of " + ", ".join(search.FAMILIES) + ")")
+    p.add_argument("--top", default="5", metavar="N", help="how many of the best to list (default 5)")
+    p.add_argument("--max-evals", metavar="N", help="simulate at most N candidates (the answer may then not be exact)")
+    p.add_argument("--space", action="append", metavar="KEY=V1,V2",
+                   help="restrict or widen a knob, e.g. tp=1,2,4,8 pp=1-16 micro_batch_size=1,2 "
+                        "activation_recompute=full zero_stage=1")
+    p.add_argument("--dask", metavar="ADDRESS", help="run the simulations on this Dask scheduler (tcp://host:8786)")
+    p.add_argument("--workers", metavar="N", help="local worker processes (default: one per core; 1 = this process)")
+    p.add_argument("--exhaustive", action="store_true", help="simulate every valid candidate (no pruning; slow)")
+    p.add_argument("--json", action="store_true", help="print one JSON document (docs/contract.md)")
+    p.add_argument("--plot", metavar="FILE", help="write the search landscape (throughput vs memory) to FILE")
+    p = sub.add_parser("regress", help="check predictions against a goldens file (exit 1 if one moved)")
+    regress.add_arguments(p)
     p = sub.add_parser("validate", help="compare predictions with measured runs")
     what = p.add_subparsers(dest="target", required=True)
     published = what.add_parser("published", help="the published large runs in hzpsim/data/published_calibration.csv")
@@ -166,6 +268,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_list(args)
         if args.command == "validate":
             return validation.run_from_args(args)
+        if args.command == "search":
+            return _cmd_search(args)
+        if args.command == "regress":
+            return regress.run_from_args(args)
         return _cmd_run(args, compare=args.command == "compare")
     except (ScenarioError, GraphError) as exc:
         print(f"hzpsim: error: {exc}", file=sys.stderr)

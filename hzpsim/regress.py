@@ -255,7 +255,7 @@ def write_goldens(path: Path, goldens: list[Golden]) -> None:
             entry["tolerance"] = g.tolerance
         entry["expected"] = g.expected
         entries.append(entry)
-    body = yaml.safe_dump(entries, sort_keys=False, default_flow_style=None, width=110)
+    body = yaml.safe_dump(entries, sort_keys=False, default_flow_style=False, width=110)
     path.write_text("\n".join(header) + ("\n" if header else "") + body, encoding="utf-8")
 
 

@@ -141,16 +141,34 @@ def _positive_int(value: str | None, flag: str, default: int | None = None) -> i
 
 
 def load_search_scenario(path: str | None, overrides: Sequence[str]) -> Scenario:
-    """The scenario a search starts from: its model, training and cluster (its strategies are
-    ignored; a file without any gets a placeholder, since the search supplies them)."""
-    if path is not None and os.path.isfile(path):
-        from hzpsim.presets import read_yaml
-        from hzpsim.scenario import scenario_from_mapping
+    """The scenario a search starts from: its model, training and cluster. Its strategies are
+    ignored (the search supplies them), so a file need not have any, and one whose strategies do
+    not fit this cluster still loads: a placeholder strategy stands in while it is validated."""
+    from hzpsim.presets import read_yaml
+    from hzpsim.scenario import DEFAULT_SCENARIO, scenario_from_mapping
 
+    if path is None:
+        document: Any = DEFAULT_SCENARIO
+    else:
+        if not os.path.isfile(path):
+            raise ScenarioError(f"{path}: no such scenario file")
         document = read_yaml(Path(path)) or {}
-        if isinstance(document, dict) and "strategy" not in document and "strategies" not in document:
-            return scenario_from_mapping({**document, "strategy": {"name": "zero", "stage": 3}}, overrides, source=path)
-    return load_scenario(path, overrides)
+    if not isinstance(document, dict):
+        raise ScenarioError(f"{path}: a scenario must be a mapping")
+    base = {k: v for k, v in document.items() if k not in ("strategy", "strategies")}
+    kept = [o for o in overrides if not o.split("=", 1)[0].strip().startswith(("strategy.", "strategies."))]
+    placeholders: list[Any] = [{"name": "ddp"}, {"name": "zero", "stage": 3}]
+    placeholders += [{"name": "nd", "pp": p} for p in (2, 4, 8, 16, 32, 64)]
+    first: ScenarioError | None = None
+    for placeholder in placeholders:
+        try:
+            return scenario_from_mapping({**base, "strategy": placeholder}, kept, source=path or "<default>")
+        except ScenarioError as exc:
+            first = first or exc
+            if str(exc).startswith(("model", "cluster", "--set", "name", "training.precision")):
+                break
+    assert first is not None
+    raise first
 
 
 def _cmd_search(args: argparse.Namespace) -> int:

@@ -201,3 +201,30 @@ def run_figure(reports: Sequence[dict[str, Any]], traces: Sequence[Any]):
     top.set_title(strategies.label(reports[0]["strategy_resolved"]) + ": " + top.get_title(), fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def predicted_vs_measured(frame: pd.DataFrame, ax=None):
+    """Predicted against measured tokens/s per GPU of ``hzpsim.validation.validate_published``
+    rows (status ok), by CSV family, with the y = x line and ±25 % bands."""
+    ok = frame[(frame["status"] == "ok") & frame["meas_tokens_per_s_per_gpu"].notna()]
+    fig, ax = _figure(ax, (6.5, 5.5))
+    colors = {"nd": "#4c72b0", "fsdp": "#55a868", "zero3": "#dd8452", "zeropp": "#8172b2", "zero2": "#c44e52"}
+    for family, group in ok.groupby("family"):
+        ax.scatter(group["meas_tokens_per_s_per_gpu"], group["pred_tokens_per_s_per_gpu"], s=18,
+                   color=colors.get(str(family), "#333333"), label=f"{family} ({len(group)})")
+    if len(ok):
+        lo = float(min(ok["meas_tokens_per_s_per_gpu"].min(), ok["pred_tokens_per_s_per_gpu"].min())) * 0.8
+        hi = float(max(ok["meas_tokens_per_s_per_gpu"].max(), ok["pred_tokens_per_s_per_gpu"].max())) * 1.25
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=1)
+        for factor in (0.75, 1.25):
+            ax.plot([lo, hi], [lo * factor, hi * factor], color="gray", linewidth=0.7, linestyle="--")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured tokens/s per GPU")
+    ax.set_ylabel("predicted tokens/s per GPU")
+    ax.set_title("published runs: predicted vs measured (dashed: ±25 %)", fontsize=10)
+    ax.legend(fontsize=8, frameon=False)
+    ax.grid(alpha=0.3, which="both")
+    return fig

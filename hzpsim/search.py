@@ -41,7 +41,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from hzpsim import strategies
-from hzpsim.cluster.placement import Placement, expert_placement
+from hzpsim.cluster.placement import expert_placement
 from hzpsim.config import ScenarioError, from_mapping
 from hzpsim.ops import GraphError
 from hzpsim.scenario import Scenario, StrategyChoice
@@ -255,7 +255,14 @@ def choice_of(candidate: Candidate) -> StrategyChoice:
 
 @functools.lru_cache(maxsize=65536)
 def _choice(name: str, fields: tuple[tuple[str, Any], ...]) -> StrategyChoice:
-    return StrategyChoice(name, from_mapping(plugin_of(name).Config, dict(fields), "strategy"))
+    config_type = plugin_of(name).Config
+    names = {f.name for f in dataclasses.fields(config_type)}
+    if all(k in names for k, _ in fields):  # the search's own fields: typed already, no coercion needed
+        config = config_type(**dict(fields))
+        if hasattr(config, "validate"):
+            config.validate()
+        return StrategyChoice(name, config)
+    return StrategyChoice(name, from_mapping(config_type, dict(fields), "strategy"))
 
 
 def check(scenario: Scenario, candidate: Candidate) -> str | None:
@@ -270,11 +277,12 @@ def _check(scenario: Scenario, candidate: Candidate) -> str | None:
         training.validate()
         plugin_of(candidate.name).check(choice.config, scenario.model, training, scenario.topology)
         if candidate.name == "nd":
-            lay = nd.layout(choice.config, scenario.model, training, scenario.topology)
-            if min(lay.layers_per_virtual_stage) == 0:
+            cfg = choice.config
+            layers = nd.stage_layers(scenario.model.num_layers, cfg.pp, cfg.vpp, cfg.first_stage_layers,
+                                     cfg.last_stage_layers)
+            if min(layers) == 0:
                 # nd.check lets these through, and nd.build then fails: skipped here
-                return (f"vpp: {len(lay.layers_per_virtual_stage)} virtual stages for {scenario.model.num_layers} "
-                        "layers leave a stage empty")
+                return f"vpp: {len(layers)} virtual stages for {scenario.model.num_layers} layers leave a stage empty"
     except (ValueError, GraphError) as exc:  # ScenarioError is a ValueError
         return str(exc)
     return None
@@ -442,6 +450,7 @@ class Bounder:
         self._units: dict[tuple, list[_UnitCost]] = {}
         self._demand: dict[tuple, dict[str, float]] = {}
         self._layouts: dict[tuple, Any] = {}
+        self._prefix: dict[int, tuple[list[_UnitCost], dict[str, Any]]] = {}
 
     def sharded_demand(self, precision: str, params: Sequence[float], m: int, sizes: tuple[int, int, int],
                        dp_group: Sequence[int], training, schedule: Schedule) -> dict[str, float]:
@@ -454,6 +463,26 @@ class Bounder:
             _sharded_demand(self.costs(precision), demand, params, m, sizes, dp_group, training, schedule, step_gather)
             self._demand[key] = demand
         return self._demand[key]
+
+    def prefix(self, unit_costs: list[_UnitCost]) -> dict[str, Any]:
+        """Cumulative sums over the units of each cost (sums over any run of units in O(1))."""
+        key = id(unit_costs)
+        if key not in self._prefix:
+            out: dict[str, Any] = {}
+            levels = sorted({level for u in unit_costs for level, _ in u.link_bytes})
+            columns = {attr: [getattr(u, attr) for u in unit_costs] for attr in
+                       ("forward_s", "backward_s", "comm_s", "activation_bytes", "dense_params", "expert_params")}
+            for level in levels:
+                columns["link." + level] = [dict(u.link_bytes).get(level, 0.0) for u in unit_costs]
+            for attr, values in columns.items():
+                running, acc = [0.0], 0.0
+                for value in values:
+                    acc += value
+                    running.append(acc)
+                out[attr] = running
+            out["levels"] = levels
+            self._prefix[key] = (unit_costs, out)  # keep the list alive: its id is the key
+        return self._prefix[key][1]
 
     def nd_layout(self, cfg: Any, training) -> Any:
         key = (cfg, training.micro_batch_size, training.global_batch_size)
@@ -496,16 +525,23 @@ def _bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
         lay = bounder.nd_layout(cfg, training)
         p, v, m = cfg.pp, cfg.vpp, lay.num_micro_batches
         unit_costs = bounder.units(training, deg, p)
-        bounds, start = [], 1
+        pre = bounder.prefix(unit_costs)
+        # units of each virtual stage, [lo, hi): the embedding on the first, the head on the last
+        edges = [0]
         for count in lay.layers_per_virtual_stage:
-            bounds.append(list(range(start, start + count)))
-            start += count
-        bounds[0].insert(0, 0)
-        bounds[-1].append(len(unit_costs) - 1)
-        fwd = [sum(unit_costs[u].forward_s for u in b) for b in bounds]
-        bwd = [sum(unit_costs[u].backward_s for u in b) for b in bounds]
-        comm = [sum(unit_costs[u].comm_s for u in b) for b in bounds]
-        acts = [sum(unit_costs[u].activation_bytes for u in b) for b in bounds]
+            edges.append(edges[-1] + count)
+        spans = [(0 if j == 0 else edges[j] + 1, len(unit_costs) if j == len(edges) - 2 else edges[j + 1] + 1)
+                 for j in range(len(edges) - 1)]
+
+        def run_sum(attr: str, j: int) -> float:
+            lo, hi = spans[j]
+            column = pre[attr]
+            return column[hi] - column[lo]
+
+        fwd = [run_sum("forward_s", j) for j in range(len(spans))]
+        bwd = [run_sum("backward_s", j) for j in range(len(spans))]
+        comm = [run_sum("comm_s", j) for j in range(len(spans))]
+        acts = [run_sum("activation_bytes", j) for j in range(len(spans))]
         dense_dp = lay.dp * cfg.cp
         dense_sizes = {0: (1, 1, 1), 1: (1, 1, dense_dp), 2: (1, dense_dp, dense_dp),
                        3: (dense_dp, dense_dp, dense_dp)}[cfg.zero_stage]
@@ -513,37 +549,39 @@ def _bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
         memory = link = 0.0
         opt_s = []
         stage_work: list[tuple[float, float]] = []  # (kernel seconds, link seconds) per stage
+        fill = 0.0  # chunk 0 of the stages before this one, forward and backward
+        block = cfg.tp * cfg.cp * lay.dp
         for s in range(p):
             vstages = [c * p + s for c in range(v)]
             work = m * sum(fwd[j] + bwd[j] for j in vstages)
             talk = m * sum(comm[j] for j in vstages)
-            fill = sum(fwd[j] + bwd[j] for j in range(s))  # chunk 0 of the stages before
             if work + fill > best[0]:
                 best = (work + fill, work, talk, fill)
-            dense = sum(unit_costs[u].dense_params for j in vstages for u in bounds[j])
-            expert = sum(unit_costs[u].expert_params for j in vstages for u in bounds[j])
+            fill += fwd[s] + bwd[s]
+            dense = sum(run_sum("dense_params", j) for j in vstages)
+            expert = sum(run_sum("expert_params", j) for j in vstages)
             # upper bound of this stage's optimizer time (experts counted unsharded)
             opt_s.append(costs.work_s(Work(bytes_accessed=(dense / dense_sizes[2] + expert) * opt_rate)))
             # forwards before the first backward (Megatron's warm-up, then one steady forward)
             warmup = min(p - s - 1, m) if v == 1 else min((p - s - 1) * 2 + (v - 1) * p, m * v)
             held = sum(acts[((k // p) % v) * p + s] for k in range(warmup + (1 if m * v > warmup else 0)))
             memory = max(memory, _static_bytes(dense, dense_sizes, training) + held)
-            lane = lay.placement.rank(tp=0, cp=0, dp=0, pp=s)
-            demand = dict(bounder.sharded_demand(training.precision,
-                                                 [unit_costs[u].dense_params for j in vstages for u in bounds[j]], m,
-                                                 dense_sizes, lay.placement.group(("dp", "cp"), lane), training,
+            # the (dp, cp) group of stage s's first rank; ranks are placed tp, cp, dp, pp (tp fastest)
+            dp_group = range(s * block, (s + 1) * block, cfg.tp)
+            params = tuple(unit_costs[u].dense_params for j in vstages for u in range(*spans[j]))
+            demand = dict(bounder.sharded_demand(training.precision, params, m, dense_sizes, dp_group, training,
                                                  Schedule()))
-            for j in vstages:
-                for u in bounds[j]:
-                    for level, b in unit_costs[u].link_bytes:
-                        demand[level] = demand.get(level, 0.0) + m * b
+            for level in pre["levels"]:
+                lb = sum(run_sum("link." + level, j) for j in vstages)
+                if lb:
+                    demand[level] = demand.get(level, 0.0) + m * lb
             stage_link = costs.link_s(demand)
             link = max(link, stage_link)
             stage_work.append((work - talk, stage_link))
         largest_opt = (1 + costs.slowdown) * max(opt_s)
         window = max(_slowed(k, a, costs.slowdown) for k, a in stage_work) - largest_opt
-        total = max(best[0] - costs.slowdown * max(opt_s), window)
-        return Bound(max(total, 0.0), best[1], best[2], best[3], memory, link)
+        step = max(best[0] - costs.slowdown * max(opt_s), window)
+        return Bound(max(step, 0.0), best[1], best[2], best[3], memory, link)
     plugin = plugin_of(name)
     plan: _family.FamilyPlan = plugin.plan(cfg, topology)
     deg = plan.degrees
@@ -562,9 +600,9 @@ def _bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
         optimizer += costs.work_s(Work(bytes_accessed=expert / expert_sizes[2] * opt_rate))
     static = _static_bytes(dense, sizes, training) + _static_bytes(expert, expert_sizes, training)  # type: ignore[arg-type]
     memory = static + sum(u.activation_bytes for u in unit_costs)
-    placement = Placement.from_sizes(n, order=("tp", "cp", "dp"), tp=deg.tp, cp=deg.cp, dp=dp)
+    # the (dp, cp) group of rank 0; ranks are placed tp, cp, dp (tp fastest)
     demand = dict(bounder.sharded_demand(training.precision, [u.dense_params for u in unit_costs], m, sizes,
-                                         placement.group(("dp", "cp"), 0), training, plan.schedule))
+                                         range(0, n, deg.tp), training, plan.schedule))
     for u in unit_costs:
         for level, b in u.link_bytes:
             demand[level] = demand.get(level, 0.0) + m * b

@@ -122,8 +122,8 @@ def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
 
 DEFAULT_NOTE = (
     "These are the built-in scenario's hand-picked layouts (each family at its usual settings, ND at\n"
-    "Megatron's TP8 PP4), not the best of each family: `hzpsim search` finds those (about a minute\n"
-    "here, too slow for this quick default)."
+    "Megatron's TP8 PP4), not the best of each family: `hzpsim search` finds those (it simulates\n"
+    "dozens of layouts: minutes, not this quick default's seconds)."
 )
 
 

@@ -1,6 +1,6 @@
 """Regenerate the figures in docs/figures/ (shown in the README).
 
-    python scripts/make_figures.py            # a few minutes on 2 cores
+    python scripts/make_figures.py            # a few minutes on 2 cores (the GPT-3 search most of it)
     python scripts/make_figures.py --only search
 
 Every figure comes from the package functions a notebook would call (hzpsim.search,
@@ -31,8 +31,13 @@ BASE = {"model": "llama3-8b", "training": {"global_batch_size": 256},
         "cluster": {"preset": "dgx-a100", "num_nodes": 4}}
 
 
+# The search showcase: GPT-3 175B on 1,024 A100, global batch 2,048 (benchmarks/bench_search.py).
+GPT3 = {"model": "gpt3-175b", "training": {"global_batch_size": 2048},
+        "cluster": {"preset": "dgx-a100", "num_nodes": 128}, "strategy": {"name": "zero", "stage": 3}}
+
+
 def figure_search() -> list[dict]:
-    scenario = scenario_from_mapping({**BASE, "strategy": {"name": "zero", "stage": 3}})
+    scenario = scenario_from_mapping(GPT3)
     runner = S.make_runner(None, None)
     try:
         result = S.search(scenario, top=5, runner=runner)

@@ -48,7 +48,7 @@ def test_every_figure_draws(simulated, tmp_path):
     report, trace = simulated
     scenario = scenario_from_mapping({**ND, "strategy": {"name": "zero"}})
     space = S.Space(tp=(1, 2), pp=(1, 2), vpp=(1,), micro_batch_size=(1,), activation_recompute=("none", "full"))
-    result = S.search(scenario, families=["nd", "zero", "hsdp", "ddp"], top=3, space=space)
+    result = S.search(scenario, families=["nd", "zero", "ddp"], top=3, space=space)
     reports = [r.report for r in result.ranked[:4]]
     sweep = frames.reports_frame(reports).assign(devices=[8, 16, 32, 64])
     figures = {
@@ -79,8 +79,8 @@ def test_plot_flags_write_files(tmp_path, capsys):
     assert out.stat().st_size > 5000
     out = tmp_path / "search.svg"
     assert main(["search", "--set", "model=tiny-dense", "--set", "cluster.num_nodes=2", "--set",
-                 "training.global_batch_size=32", "--workers", "1", "--family", "zero,ddp,nd", "--space", "pp=1,2",
-                 "--space", "micro_batch_size=1", "--plot", str(out)]) == 0
+                 "training.global_batch_size=32", "--workers", "1", "--family", "zero,ddp", "--space",
+                 "micro_batch_size=1", "--plot", str(out)]) == 0
     assert out.read_text().lstrip().startswith(("<?xml", "<svg"))
     capsys.readouterr()
     assert main(["run", "--set", "model=tiny-dense", "--set", "strategy.name=zero", "--plot",

@@ -795,7 +795,11 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
     alive: list[Row] = []
     bounder = Bounder(scenario)
     checked: dict[tuple, str | None] = {}  # plugins' checks do not look at the recompute mode
-    for candidate in enumerate_candidates(scenario, families, space):
+    candidates = enumerate_candidates(scenario, families, space)
+    first = _progress(len(candidates), progress, "hzpsim search: bounding")
+    for index, candidate in enumerate(candidates):
+        if first is not None and index % 256 == 0:
+            first.update(min(256, len(candidates) - index))
         layout_key = (candidate.name, candidate.fields, candidate.micro_batch_size)
         if layout_key not in checked:
             checked[layout_key] = check(scenario, candidate)
@@ -812,12 +816,14 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
             continue
         alive.append(row)
     alive.sort(key=lambda r: (r.bound.step_time_s, r.candidate.key))  # type: ignore[union-attr]
+    if first is not None:
+        first.close()
 
     feasible_steps: list[float] = []  # sorted
     family_best: dict[str, float] = {}
     evals = 0
     exact = True
-    bar = _progress(len(alive), progress)
+    bar = _progress(len(alive), progress, "hzpsim search: simulating")
     i = 0
     try:
         while i < len(alive):
@@ -875,14 +881,14 @@ def _bound_parts(b: Bound | None) -> str:
     return " (" + ", ".join(parts) + ")"
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str):
     if not enabled or total == 0:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc="hzpsim search", unit="cand", file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=desc, unit="cand", file=sys.stderr, leave=False)
 
 
 def make_runner(dask: Any = None, workers: int | None = None) -> Runner:

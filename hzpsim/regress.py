@@ -188,9 +188,18 @@ def check(goldens: list[Golden], base: Path, update: bool = False,
                 raise ScenarioError(f"--only {name}: no such entry (entries: {', '.join(sorted(names))})")
     checks: list[Check] = []
     empty: list[str] = []
-    for golden in goldens:
-        if only and golden.name not in only:
-            continue
+    chosen = [g for g in goldens if not only or g.name in only]
+    bar = None
+    if sys.stderr.isatty() and len(chosen) > 3:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(chosen), desc="hzpsim regress", unit="entry", file=sys.stderr, leave=False)
+        except ImportError:
+            bar = None
+    for golden in chosen:
+        if bar is not None:
+            bar.update(1)
         report = predict(golden, base)
         if update:
             golden.expected = flatten(report)
@@ -200,6 +209,8 @@ def check(goldens: list[Golden], base: Path, update: bool = False,
             continue
         for key, value in golden.expected.items():
             checks.append(Check(golden.name, key, value, lookup(report, key), golden.tolerance))
+    if bar is not None:
+        bar.close()
     return checks, empty, goldens
 
 

@@ -103,7 +103,8 @@ class Space:
                 except ValueError:
                     raise ScenarioError(f"--space {key}: {part!r} is not an integer or a range a-b") from None
                 minimum = 0 if key == "zero_stage" else 1
-                if first < minimum or last < first or last > 1_000_000:
+                maximum = 3 if key == "zero_stage" else 1_000_000
+                if first < minimum or last < first or last > maximum:
                     raise ScenarioError(f"--space {key}: {part!r} is out of range")
                 values.extend(range(first, last + 1))
         if not values:

@@ -206,6 +206,7 @@ def test_cli_text_names_the_winner_and_how_to_run_it(tmp_path, capsys):
     (["--space", "bogus=1"], "--space bogus"),
     (["--space", "tp=a"], "--space tp"),
     (["--space", "activation_recompute=some"], "--space activation_recompute"),
+    (["--space", "zero_stage=5"], "--space zero_stage"),
     (["--plot", "out.txt"], "--plot"),
     (["--dask", "tcp://127.0.0.1:1"], "--dask"),
 ])

@@ -302,6 +302,18 @@ class Bound:
     bubble_s: float  # pipeline fill and drain the busiest stage cannot avoid
     memory_bytes: float  # <= simulated peak_memory_bytes
     link_s: float = 0.0  # busiest link's bytes (data-parallel gathers/reductions, TP, EP) at full rate
+    link_limited: bool = False  # the link-traffic term, not the compute stream, set step_time_s
+
+    @property
+    def limited_by(self) -> str:
+        """What makes this candidate slow, by its bound."""
+        if self.link_limited:
+            return "communication (bytes on the links)"
+        if self.bubble_s > self.comm_s and self.bubble_s > 0.02 * self.step_time_s:
+            return "pipeline bubble"
+        if self.comm_s > 0.02 * self.step_time_s:
+            return "exposed TP/EP communication"
+        return "more compute (recompute, imbalance, optimizer)"
 
 
 class _Costs:
@@ -582,7 +594,8 @@ def _bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
         largest_opt = (1 + costs.slowdown) * max(opt_s)
         window = max(_slowed(k, a, costs.slowdown) for k, a in stage_work) - largest_opt
         step = max(best[0] - costs.slowdown * max(opt_s), window)
-        return Bound(max(step, 0.0), best[1], best[2], best[3], memory, link)
+        chain = best[0] - costs.slowdown * max(opt_s)
+        return Bound(max(step, 0.0), best[1], best[2], best[3], memory, link, window > chain)
     plugin = plugin_of(name)
     plan: _family.FamilyPlan = plugin.plan(cfg, topology)
     deg = plan.degrees
@@ -609,7 +622,7 @@ def _bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
             demand[level] = demand.get(level, 0.0) + m * b
     link = costs.link_s(demand)
     total = max(work + optimizer, _slowed(work - talk + optimizer, link, costs.slowdown))
-    return Bound(total, work + optimizer, talk, 0.0, memory, link)
+    return Bound(total, work + optimizer, talk, 0.0, memory, link, total > work + optimizer)
 
 
 def _slowed(kernel_s: float, talking_s: float, slowdown: float) -> float:
@@ -879,7 +892,9 @@ def _bound_parts(b: Bound | None) -> str:
         parts.append(f"exposed TP/EP {b.comm_s:.2f} s")
     if b.bubble_s:
         parts.append(f"bubble {b.bubble_s:.2f} s")
-    return " (" + ", ".join(parts) + ")"
+    if b.link_s:
+        parts.append(f"link traffic {b.link_s:.2f} s")
+    return " (" + ", ".join(parts) + f"; limited by {b.limited_by})"
 
 
 def _progress(total: int, enabled: bool, desc: str):
@@ -920,7 +935,12 @@ def loss_reason(row: Row, best: Row) -> str:
     delta = a[worst] - b[worst]
     if delta <= 0:
         return "-"
-    return f"+{delta:.2f} s {worst}"
+    return f"+{_seconds(delta)} s {worst}"
+
+
+def _seconds(x: float) -> str:
+    """3 decimals for human-scale steps, 3 significant digits for tiny test models."""
+    return f"{x:.3f}" if abs(x) >= 0.1 else f"{x:.3g}"
 
 
 def format_search(result: SearchResult, source: str | None = None) -> str:
@@ -962,8 +982,7 @@ def format_search(result: SearchResult, source: str | None = None) -> str:
             elif r.status == "pruned_bound":
                 b = r.bound
                 assert b is not None
-                key = "pipeline bubble" if b.bubble_s > b.comm_s and b.bubble_s > 0.02 * b.step_time_s else (
-                    "exposed TP/EP communication" if b.comm_s > 0.02 * b.step_time_s else "more compute (recompute, imbalance)")
+                key = b.limited_by
                 counts[f"slower by bound: {key}"] = counts.get(f"slower by bound: {key}", 0) + 1
             elif r.status == "simulated" and r is not best:
                 counts["simulated, slower"] = counts.get("simulated, slower", 0) + 1
@@ -982,7 +1001,7 @@ def _row_line(tag: str, row: Row, best: Row | None) -> str:
     assert r is not None
     layout = f"{strategies.label(r['strategy_resolved'])} mb{row.candidate.micro_batch_size} {row.candidate.activation_recompute}"
     why = "best" if row is best else (loss_reason(row, best) if best else "")
-    return (f"  {tag:<14} {layout:<46} {r['step_time_s']:>8.3f} {r['tokens_per_s']:>11,.0f} {r['mfu']:>6.1%} "
+    return (f"  {tag:<14} {layout:<46} {_seconds(r['step_time_s']):>8} {r['tokens_per_s']:>11,.0f} {r['mfu']:>6.1%} "
             f"{r['peak_memory_bytes'] / 2**30:>9.1f}  {why}")
 
 

@@ -5,9 +5,12 @@
     hzpsim run --set model=llama3-8b --set cluster.num_nodes=2
     hzpsim compare scenario.yaml      # every entry of the scenario's `strategies:` list
     hzpsim list                       # devices, cluster presets, workloads, strategies
+    hzpsim search scenario.yaml       # the best layout of every family (hzpsim.search)
+    hzpsim regress goldens.yaml       # predictions against expected values (hzpsim.regress)
 
 Exit codes: 0 ok; 2 invalid input (one line naming what and where); 3 simulator fault (the
-engine stopped making progress: names the stuck op); 1 other internal error.
+engine stopped making progress: names the stuck op); 1 other internal error, or a prediction
+that moved beyond its tolerance (``regress``).
 """
 
 from __future__ import annotations
@@ -18,16 +21,17 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from hzpsim import __version__, strategies, validation
+from hzpsim import __version__, regress, search, strategies, validation
 from hzpsim.cluster.devices import DEVICES
 from hzpsim.config import ScenarioError, key_of
 from hzpsim.executor import cli as executor_cli
 from hzpsim.ops import GraphError, SimulatorFault
 from hzpsim.planner import choose, format_decisions, run_choice
 from hzpsim.presets import list_presets
-from hzpsim.report import chrome_trace, to_json
+from hzpsim.report import chrome_trace, format_summary, to_json
 from hzpsim.scenario import Scenario, load_scenario
 
 __all__ = ["main", "run_choice"]
@@ -50,26 +54,6 @@ def format_table(reports: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_summary(scenario: Scenario) -> str:
-    model, training, topology = scenario.model, scenario.training, scenario.topology
-    device = topology.device
-    tokens = training.global_batch_size * model.seq_len
-    return "\n".join(
-        [
-            f"model    {model.name}: {model.num_params() / 1e9:.2f}B parameters "
-            f"({model.num_active_params() / 1e9:.2f}B active), "
-            f"{model.model_flops_per_token() / 1e9:.1f} GFLOP/token (PaLM), seq {model.seq_len}",
-            f"training {training.global_batch_size} x {model.seq_len} = {tokens / 1e6:.2f}M tokens/step, "
-            f"micro-batch {training.micro_batch_size}, {training.precision}, grads {training.grad_dtype}, "
-            f"recompute {training.activation_recompute}",
-            f"cluster  {topology.num_devices} x {device.name} ({topology.num_nodes} nodes x "
-            f"{topology.devices_per_node}, preset {topology.spec.preset}), "
-            f"{device.peak_flops_per_s(training.precision) / 1e12:.0f} TFLOP/s peak, "
-            f"{device.memory_bytes / 2**30:.0f} GiB",
-        ]
-    )
-
-
 def format_breakdown(report: dict[str, Any]) -> str:
     """One line per place the critical rank's step goes (``time_breakdown_s``)."""
     step = report["step_time_s"]
@@ -87,9 +71,15 @@ def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
         if len(scenario.strategies) != 1:
             raise ScenarioError(f"--trace {args.trace}: needs a scenario with one strategy (set strategy.name)")
         check_writable(args.trace, "--trace")
+    if args.plot:
+        _check_plot_path(args.plot)
     traces: list = []
     results = [choose(scenario, choice, expand=args.expand, traces=traces) for choice in scenario.strategies]
     reports = [report for report, _ in results]
+    if args.plot:
+        from hzpsim import plots
+
+        plots.save(plots.run_figure(reports, traces), args.plot)
     if args.explain:
         out = sys.stderr if args.json else sys.stdout
         budget_of = lambda c: scenario.topology.device.memory_bytes * (1 - getattr(c.config, "memory_reserve_fraction", 0.0))  # noqa: E731
@@ -105,6 +95,9 @@ def _cmd_run(args: argparse.Namespace, compare: bool) -> int:
         print(format_summary(scenario))
         print()
         print(format_table(reports))
+        if scenario.source == "<default>":
+            print()
+            print(DEFAULT_NOTE)
     if args.trace:
         try:
             with open(args.trace, "w", encoding="utf-8") as handle:
@@ -124,6 +117,94 @@ def check_writable(path: str, option: str) -> None:
         raise ScenarioError(f"{option} {path}: folder {parent} does not exist")
     if not os.access(path if os.path.exists(path) else parent, os.W_OK):
         raise ScenarioError(f"{option} {path}: not writable")
+
+
+DEFAULT_NOTE = (
+    "These are the built-in scenario's hand-picked layouts (each family at its usual settings, ND at\n"
+    "Megatron's TP8 PP4), not the best of each family: `hzpsim search` finds those (it simulates\n"
+    "dozens of layouts: minutes, not this quick default's seconds)."
+)
+
+
+def _positive_int(value: str | None, flag: str, default: int | None = None) -> int | None:
+    """``--top 3`` -> 3; one-line ScenarioError for anything but a positive integer."""
+    if value is None:
+        return default
+    try:
+        number = int(value)
+    except ValueError:
+        raise ScenarioError(f"{flag}: expected a positive integer, got {value!r}") from None
+    if number < 1 or number > 10**9:
+        raise ScenarioError(f"{flag}: expected a positive integer, got {value!r}")
+    return number
+
+
+def load_search_scenario(path: str | None, overrides: Sequence[str]) -> Scenario:
+    """The scenario a search starts from: its model, training and cluster. Its strategies are
+    ignored (the search supplies them), so a file need not have any, and one whose strategies do
+    not fit this cluster still loads: a placeholder strategy stands in while it is validated."""
+    from hzpsim.presets import read_yaml
+    from hzpsim.scenario import DEFAULT_SCENARIO, scenario_from_mapping
+
+    if path is None:
+        document: Any = DEFAULT_SCENARIO
+    else:
+        if not os.path.isfile(path):
+            raise ScenarioError(f"{path}: no such scenario file")
+        document = read_yaml(Path(path)) or {}
+    if not isinstance(document, dict):
+        raise ScenarioError(f"{path}: a scenario must be a mapping")
+    base = {k: v for k, v in document.items() if k not in ("strategy", "strategies")}
+    kept = [o for o in overrides if not o.split("=", 1)[0].strip().startswith(("strategy.", "strategies."))]
+    placeholders: list[Any] = [{"name": "ddp"}, {"name": "zero", "stage": 3}]
+    placeholders += [{"name": "nd", "pp": p} for p in (2, 4, 8, 16, 32, 64)]
+    first: ScenarioError | None = None
+    for placeholder in placeholders:
+        try:
+            return scenario_from_mapping({**base, "strategy": placeholder}, kept, source=path or "<default>")
+        except ScenarioError as exc:
+            first = first or exc
+            if str(exc).startswith(("model", "cluster", "--set", "name", "training.precision")):
+                break
+    assert first is not None
+    raise first
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    top = _positive_int(args.top, "--top", 5)
+    max_evals = _positive_int(args.max_evals, "--max-evals")
+    workers = _positive_int(args.workers, "--workers")
+    families = search.parse_families(args.family)
+    scenario = load_search_scenario(args.scenario, args.set or ())
+    space = search.default_space(scenario)
+    for text in args.space or ():
+        space = space.replace(text)
+    if args.plot:
+        _check_plot_path(args.plot)
+    runner = search.make_runner(args.dask, workers)
+    try:
+        result = search.search(scenario, families, top=top or 5, max_evals=max_evals, space=space, runner=runner,
+                               progress=sys.stderr.isatty(), exhaustive=args.exhaustive)
+    finally:
+        runner.close()
+    if args.plot:
+        from hzpsim import plots
+
+        plots.save(plots.search_landscape(result), args.plot)
+    if args.json:
+        print(to_json(result.to_json()))
+    else:
+        print(search.format_search(result, args.scenario))
+    return 0
+
+
+def _check_plot_path(path: str) -> None:
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in (".png", ".svg", ".pdf"):
+        raise ScenarioError(f"--plot {path}: expected a .png, .svg or .pdf file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ScenarioError(f"--plot {path}: no such directory {folder}")
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -169,6 +250,25 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--explain", action="store_true",
                        help="print where each step goes and the decision table of adaptive choices")
         p.add_argument("--trace", metavar="FILE", help="write the reported step as a Chrome/Perfetto trace (one strategy)")
+        p.add_argument("--plot", metavar="FILE", help="write a figure (PNG/SVG/PDF): the strategies compared; "
+                       "with one strategy, its stream timeline and memory over the step")
+    p = sub.add_parser("search", help="search the whole strategy space for the best layout of each family")
+    p.add_argument("scenario", nargs="?", help="scenario YAML file (omit for the built-in default)")
+    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a field, e.g. cluster.num_nodes=16")
+    p.add_argument("--family", action="append", metavar="NAME[,NAME]",
+                   help="search only these strategies (repeatable; default: all of " + ", ".join(search.FAMILIES) + ")")
+    p.add_argument("--top", default="5", metavar="N", help="how many of the best to list (default 5)")
+    p.add_argument("--max-evals", metavar="N", help="simulate at most N candidates (the answer may then not be exact)")
+    p.add_argument("--space", action="append", metavar="KEY=V1,V2",
+                   help="restrict or widen a knob, e.g. tp=1,2,4,8 pp=1-16 micro_batch_size=1,2 "
+                        "activation_recompute=full zero_stage=1")
+    p.add_argument("--dask", metavar="ADDRESS", help="run the simulations on this Dask scheduler (tcp://host:8786)")
+    p.add_argument("--workers", metavar="N", help="local worker processes (default: one per core; 1 = this process)")
+    p.add_argument("--exhaustive", action="store_true", help="simulate every valid candidate (no pruning; slow)")
+    p.add_argument("--json", action="store_true", help="print one JSON document (docs/contract.md)")
+    p.add_argument("--plot", metavar="FILE", help="write the search landscape (throughput vs memory) to FILE")
+    p = sub.add_parser("regress", help="check predictions against a goldens file (exit 1 if one moved)")
+    regress.add_arguments(p)
     p = sub.add_parser("validate", help="compare predictions with measured runs")
     what = p.add_subparsers(dest="target", required=True)
     published = what.add_parser("published", help="the published large runs in hzpsim/data/published_calibration.csv")
@@ -188,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return int(args.handler(args))
         if args.command == "validate":
             return validation.run_from_args(args)
+        if args.command == "search":
+            return _cmd_search(args)
+        if args.command == "regress":
+            return regress.run_from_args(args)
         return _cmd_run(args, compare=args.command == "compare")
     except (ScenarioError, GraphError) as exc:
         print(f"hzpsim: error: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ from typing import Any
 from hzpsim.cluster.topology import INTRA_NODE_LEVELS
 from hzpsim.model import Model
 from hzpsim.ops import COMPUTE, HOST_STREAM, MEMORY_CATEGORIES, STEP_END_CATEGORY, GraphError, Op
+from hzpsim.scenario import Scenario
 from hzpsim.sim.engine import Trace
 from hzpsim.training import Training
 
@@ -318,6 +319,27 @@ def stream_utilization(trace: Trace, ops: list[Op], window: tuple[float, float])
         start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
         busy.setdefault(op.stream, []).append((start, end))
     return {s: _length(_union(iv)) / (hi - lo) for s, iv in sorted(busy.items())}
+
+
+def format_summary(scenario: Scenario) -> str:
+    """The three header lines of a table: model, training, cluster."""
+    model, training, topology = scenario.model, scenario.training, scenario.topology
+    device = topology.device
+    tokens = training.global_batch_size * model.seq_len
+    return "\n".join(
+        [
+            f"model    {model.name}: {model.num_params() / 1e9:.2f}B parameters "
+            f"({model.num_active_params() / 1e9:.2f}B active), "
+            f"{model.model_flops_per_token() / 1e9:.1f} GFLOP/token (PaLM), seq {model.seq_len}",
+            f"training {training.global_batch_size} x {model.seq_len} = {tokens / 1e6:.2f}M tokens/step, "
+            f"micro-batch {training.micro_batch_size}, {training.precision}, grads {training.grad_dtype}, "
+            f"recompute {training.activation_recompute}",
+            f"cluster  {topology.num_devices} x {device.name} ({topology.num_nodes} nodes x "
+            f"{topology.devices_per_node}, preset {topology.spec.preset}), "
+            f"{device.peak_flops_per_s(training.precision) / 1e12:.0f} TFLOP/s peak, "
+            f"{device.memory_bytes / 2**30:.0f} GiB",
+        ]
+    )
 
 
 def to_json(report: dict[str, Any] | list[dict[str, Any]]) -> str:

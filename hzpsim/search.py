@@ -1,0 +1,1023 @@
+"""Search a scenario's whole strategy space for the fastest layouts that fit (``hzpsim search``).
+
+    hzpsim search examples/gpt3-175b-megatron.yaml                 # best per family, top 10
+    hzpsim search SCENARIO --family nd --top 5 --json
+    hzpsim search SCENARIO --dask tcp://scheduler:8786              # simulations on a Dask cluster
+    python -c "from hzpsim.search import search; ..."               # the same from Python
+
+The space (:class:`Space`) is every strategy plugin's layout knobs (ND: tp, pp, vpp, cp, ep,
+zero stage, sequence parallelism; the ZeRO family: stages, shard/partition group sizes, AsyncHZP
+group chains) times the training knobs (micro-batch size, activation recompute). It is searched
+by branch and bound, exactly:
+
+1. every candidate is checked by its plugin (``check``: layouts that cannot run are *invalid*);
+2. two cheap analytic bounds (:func:`bound`), no graph built: a lower bound on peak memory
+   (resident model states plus the activations a schedule must hold before its first backward)
+   and a lower bound on step time (the busiest rank's compute-stream work at the isolated
+   kernel and collective rates the engine can only slow down, plus the pipeline fill and drain
+   it cannot avoid). A candidate whose memory bound exceeds the device is *pruned (memory)*;
+3. the rest are simulated in order of their step-time bound, in fixed batches, and a candidate
+   whose bound exceeds both the N-th best fitting step time found so far and its family's best
+   is *pruned (bound)*: it can enter neither the top N nor its family's best.
+
+Both bounds are tested against simulated values (``tests/test_search.py``), and the search's
+answers against an exhaustive simulation of the same space. Batches are fixed, so the same
+scenario gives the same answer and the same counts on one process, many, or a Dask cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from hzpsim import strategies
+from hzpsim.cluster.placement import expert_placement
+from hzpsim.config import ScenarioError, from_mapping
+from hzpsim.ops import GraphError
+from hzpsim.report import format_summary
+from hzpsim.scenario import Scenario, StrategyChoice
+from hzpsim.sim.collectives import CollectiveModel
+from hzpsim.sim.compute import ComputeModel
+from hzpsim.strategies import _family, nd
+from hzpsim.strategies._dims import ParallelDims
+from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
+from hzpsim.strategies._model_parallel import MPUnit, mp_units
+from hzpsim.strategies._sharded import NestedSharding, Schedule
+from hzpsim.training import Training
+
+#: Strategy names searched, in the order they are reported (one ``best_per_family`` key each).
+FAMILIES = ("nd", "zero", "hsdp", "mics", "zeropp", "megatron_fsdp", "asynchzp", "ddp")
+RECOMPUTE = ("none", "selective", "full")
+#: Candidates simulated per round of the branch and bound; fixed (not the worker count) so
+#: that every executor simulates the same candidates and reports the same counts.
+BATCH = 8
+
+
+# ---------------------------------------------------------------------------- the space
+
+
+@dataclass(frozen=True)
+class Space:
+    """The knobs searched (every combination, minus those a plugin's ``check`` rejects)."""
+
+    tp: tuple[int, ...] = (1, 2, 4, 8)
+    pp: tuple[int, ...] = tuple(range(1, 17))
+    vpp: tuple[int, ...] = (1, 2, 3, 4)
+    cp: tuple[int, ...] = (1,)
+    ep: tuple[int, ...] = (1,)
+    zero_stage: tuple[int, ...] = (0, 1, 2, 3)
+    sequence_parallel: tuple[bool, ...] = (False, True)
+    micro_batch_size: tuple[int, ...] = (1, 2, 4)
+    activation_recompute: tuple[str, ...] = RECOMPUTE
+    group_sizes: tuple[int, ...] | None = None  # HSDP / MiCS / Megatron-FSDP groups; None = powers of two
+
+    def replace(self, text: str) -> Space:
+        """``KEY=V1,V2`` (``pp=1-16`` for a range), the ``--space`` syntax."""
+        if "=" not in text:
+            raise ScenarioError(f"--space {text!r}: expected KEY=V1,V2,... (keys: {', '.join(_space_keys())})")
+        key, raw = (s.strip() for s in text.split("=", 1))
+        if key not in _space_keys():
+            raise ScenarioError(f"--space {key}: unknown key (keys: {', '.join(_space_keys())})")
+        values: list[Any] = []
+        for part in (p.strip() for p in raw.split(",")):
+            if key == "activation_recompute":
+                if part not in RECOMPUTE:
+                    raise ScenarioError(f"--space {key}: {part!r} is not one of {', '.join(RECOMPUTE)}")
+                values.append(part)
+            elif key == "sequence_parallel":
+                if part.lower() not in ("true", "false"):
+                    raise ScenarioError(f"--space {key}: {part!r} is not true or false")
+                values.append(part.lower() == "true")
+            else:
+                lo, _, hi = part.partition("-")
+                try:
+                    first, last = int(lo), int(hi or lo)
+                except ValueError:
+                    raise ScenarioError(f"--space {key}: {part!r} is not an integer or a range a-b") from None
+                minimum = 0 if key == "zero_stage" else 1
+                maximum = 3 if key == "zero_stage" else 1_000_000
+                if first < minimum or last < first or last > maximum:
+                    raise ScenarioError(f"--space {key}: {part!r} is out of range")
+                values.extend(range(first, last + 1))
+        if not values:
+            raise ScenarioError(f"--space {key}: no values")
+        return dataclasses.replace(self, **{key: tuple(sorted(set(values), key=str if key == "activation_recompute" else None))})
+
+
+def _space_keys() -> list[str]:
+    return [f.name for f in dataclasses.fields(Space)]
+
+
+def default_space(scenario: Scenario) -> Space:
+    """The space searched when nothing else is said: tensor parallelism inside a node, up to 16
+    pipeline stages, context parallelism for long sequences, expert parallelism for MoE."""
+    model, topology = scenario.model, scenario.topology
+    tp = tuple(t for t in (1, 2, 4, 8) if t <= topology.devices_per_node)
+    cp = (1, 2) if model.seq_len >= 8192 else (1,)
+    ep: tuple[int, ...] = (1,)
+    if model.moe is not None:
+        ep = tuple(e for e in (1, 2, 4, 8, 16, 32, 64) if e <= model.moe.num_experts and model.moe.num_experts % e == 0)
+    return Space(tp=tp, pp=tuple(range(1, min(16, model.num_layers) + 1)), cp=cp, ep=ep)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the space: a strategy (name and fields) and the training knobs."""
+
+    name: str
+    fields: tuple[tuple[str, Any], ...]
+    micro_batch_size: int
+    activation_recompute: str
+
+    @functools.cached_property
+    def key(self) -> str:
+        """Stable identity and tie-breaker."""
+        return json.dumps([self.name, self.fields, self.micro_batch_size, self.activation_recompute])
+
+    def strategy(self) -> dict[str, Any]:
+        return {"name": self.name, **dict(self.fields)}
+
+    def training(self) -> dict[str, Any]:
+        return {"micro_batch_size": self.micro_batch_size, "activation_recompute": self.activation_recompute}
+
+    def label(self) -> str:
+        return f"{strategies.label(self.strategy())} mb={self.micro_batch_size} rc={self.activation_recompute}"
+
+    def overrides(self) -> list[str]:
+        """``--set`` arguments that make ``hzpsim run`` simulate this candidate."""
+        out = [f"strategy.name={self.name}"]
+        out += [f"strategy.{k}={json.dumps(v)}" for k, v in self.fields]
+        out += [f"training.micro_batch_size={self.micro_batch_size}",
+                f"training.activation_recompute={self.activation_recompute}"]
+        return out
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, v = [], 1
+    while v <= hi:
+        if v >= lo:
+            out.append(v)
+        v *= 2
+    return out
+
+
+def _family_layouts(name: str, scenario: Scenario, space: Space) -> list[dict[str, Any]]:
+    """Strategy fields of one family's candidates (training knobs excluded)."""
+    topology = scenario.topology
+    n = topology.num_devices
+    node = _family.level_group_sizes(topology)["node"]
+    groups = list(space.group_sizes) if space.group_sizes is not None else _powers_of_two(2, n // 2)
+    groups = sorted({g for g in groups if 1 < g < n and n % g == 0})
+    if name == "nd":
+        out = []
+        for tp in space.tp:
+            for pp in space.pp:
+                for vpp in space.vpp:
+                    if vpp > 1 and pp == 1:
+                        continue
+                    for cp in space.cp:
+                        for ep in space.ep:
+                            for stage in space.zero_stage:
+                                if stage > 3:
+                                    continue
+                                for sp in space.sequence_parallel:
+                                    if sp and tp == 1:
+                                        continue
+                                    out.append({"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep,
+                                                "zero_stage": stage, "sequence_parallel": sp})
+        return out
+    if name == "zero":
+        return [{"stage": s} for s in (1, 2, 3) if s in space.zero_stage or not space.zero_stage]
+    if name == "hsdp":
+        return [{"shard_group_size": g} for g in groups]
+    if name == "mics":
+        return [{"partition_size": g, "hierarchical_params_gather": h}
+                for g in groups for h in ((False, True) if g > node else (False,))]
+    if name == "zeropp":
+        return [{"hpz_partition_size": h} for h in sorted({1, node})]
+    if name == "megatron_fsdp":
+        return [{"shard_group_size": g, "outer_optim_sharding": o} for g in groups for o in (True, False)]
+    if name == "asynchzp":
+        plugin = plugin_of("asynchzp")
+        out = []
+        for c in plugin.candidates(plugin.Config(), scenario.model, scenario.training, topology):
+            out.append({"param_group_size": c.param_group_size, "grad_group_size": c.grad_group_size,
+                        "optim_group_size": c.optim_group_size})
+        return out
+    if name == "ddp":
+        return [{}]
+    return [{}]  # a plugin the search knows nothing about: its defaults
+
+
+def enumerate_candidates(scenario: Scenario, families: Sequence[str], space: Space) -> list[Candidate]:
+    """Every candidate of ``families`` in ``space``, in a stable order."""
+    out = []
+    for name in families:
+        for fields in _family_layouts(name, scenario, space):
+            for mbs in space.micro_batch_size:
+                for rc in space.activation_recompute:
+                    out.append(Candidate(name, tuple(sorted(fields.items())), mbs, rc))
+    return out
+
+
+# ---------------------------------------------------------------------------- scenario variants
+
+
+def _training(scenario: Scenario, candidate: Candidate) -> Training:
+    return dataclasses.replace(scenario.training, micro_batch_size=candidate.micro_batch_size,
+                               activation_recompute=candidate.activation_recompute)  # type: ignore[arg-type]
+
+
+def variant(scenario: Scenario, candidate: Candidate) -> Scenario:
+    """``scenario`` with the candidate's training knobs and the candidate as its one strategy."""
+    training = _training(scenario, candidate)
+    out = dataclasses.replace(scenario, training=training, strategies=(choice_of(candidate),))
+    out.__dict__["topology"] = scenario.topology  # share the built topology (a cached_property)
+    return out
+
+
+@functools.cache
+def plugin_of(name: str) -> Any:
+    """``strategies.get`` once per name (it scans entry points on every call)."""
+    return strategies.get(name)
+
+
+def choice_of(candidate: Candidate) -> StrategyChoice:
+    return _choice(candidate.name, candidate.fields)
+
+
+@functools.lru_cache(maxsize=65536)
+def _choice(name: str, fields: tuple[tuple[str, Any], ...]) -> StrategyChoice:
+    config_type = plugin_of(name).Config
+    names = {f.name for f in dataclasses.fields(config_type)}
+    if all(k in names for k, _ in fields):  # the search's own fields: typed already, no coercion needed
+        config = config_type(**dict(fields))
+        if hasattr(config, "validate"):
+            config.validate()
+        return StrategyChoice(name, config)
+    return StrategyChoice(name, from_mapping(config_type, dict(fields), "strategy"))
+
+
+def check(scenario: Scenario, candidate: Candidate) -> str | None:
+    """Why the candidate cannot run (its plugin's ``check``), or None."""
+    return _check(scenario, candidate)
+
+
+def _check(scenario: Scenario, candidate: Candidate) -> str | None:
+    try:
+        choice = choice_of(candidate)
+        training = _training(scenario, candidate)
+        training.validate()
+        plugin_of(candidate.name).check(choice.config, scenario.model, training, scenario.topology)
+        if candidate.name == "nd":
+            cfg = choice.config
+            layers = nd.stage_layers(scenario.model.num_layers, cfg.pp, cfg.vpp, cfg.first_stage_layers,
+                                     cfg.last_stage_layers)
+            if min(layers) == 0:
+                # nd.check lets these through, and nd.build then fails: skipped here
+                return f"vpp: {len(layers)} virtual stages for {scenario.model.num_layers} layers leave a stage empty"
+    except (ValueError, GraphError) as exc:  # ScenarioError is a ValueError
+        return str(exc)
+    return None
+
+
+# ---------------------------------------------------------------------------- bounds
+
+
+@dataclass(frozen=True)
+class Bound:
+    """Lower bounds of what the simulator would report for one candidate."""
+
+    step_time_s: float  # <= simulated step_time_s
+    compute_s: float  # busiest rank's compute-stream work (kernels at isolated rates)
+    comm_s: float  # of which: collectives on the compute stream (TP, EP), at isolated times
+    bubble_s: float  # pipeline fill and drain the busiest stage cannot avoid
+    memory_bytes: float  # <= simulated peak_memory_bytes
+    link_s: float = 0.0  # busiest link's bytes (data-parallel gathers/reductions, TP, EP) at full rate
+    link_limited: bool = False  # the link-traffic term, not the compute stream, set step_time_s
+
+    @property
+    def limited_by(self) -> str:
+        """What makes this candidate slow, by its bound."""
+        if self.link_limited:
+            return "communication (bytes on the links)"
+        if self.bubble_s > self.comm_s and self.bubble_s > 0.02 * self.step_time_s:
+            return "pipeline bubble"
+        if self.comm_s > 0.02 * self.step_time_s:
+            return "exposed TP/EP communication"
+        return "more compute (recompute, imbalance, optimizer)"
+
+
+class _Costs:
+    """Isolated seconds of kernels and collectives on one topology and precision."""
+
+    def __init__(self, scenario: Scenario, training) -> None:
+        topology = scenario.topology
+        self.topology = topology
+        self.compute = ComputeModel(topology.device, training.precision)
+        self.collectives = CollectiveModel(topology)
+        self.slowdown = self.compute.efficiency.comm_overlap_slowdown
+        self._spans: dict[tuple[int, ...], Any] = {}
+
+    def work_s(self, work: Work) -> float:
+        op = SimpleNamespace(duration_s=0.0, flops=tuple((k, v) for k, v in work.flops().items() if v),
+                             bytes_accessed=work.bytes_accessed)
+        return self.compute.duration_s(op)  # type: ignore[arg-type]
+
+    def collective_s(self, kind: str, size: float, ranks: Sequence[int], count: int = 1) -> float:
+        if not count or size <= 0 or len(ranks) < 2:
+            return 0.0
+        return self.collectives.plan(kind, size, self._span(ranks)).isolated_time_s * count
+
+    def _span(self, ranks: Sequence[int]):
+        key = tuple(ranks)
+        span = self._spans.get(key)
+        if span is None:
+            span = self._spans[key] = self.topology.span(list(ranks))
+        return span
+
+    def add_demand(self, demand: dict[str, float], kind: str, size: float, ranks: Sequence[int],
+                   count: float = 1) -> None:
+        """Add the bytes a collective puts on each of a rank's links (per level)."""
+        if not count or size <= 0 or len(ranks) < 2:
+            return
+        for level, b in self.collectives.plan(kind, size, self._span(ranks)).demand_by_level.items():
+            demand[level] = demand.get(level, 0.0) + b * count
+
+    def link_s(self, demand: dict[str, float]) -> float:
+        """Least time a rank's links need to carry ``demand`` (each level at its full rate)."""
+        return max((b / self.topology.link(level).achieved_bytes_per_s for level, b in demand.items()), default=0.0)
+
+
+@dataclass(frozen=True)
+class _UnitCost:
+    forward_s: float  # compute + compute-stream collectives of one micro-batch's forward
+    backward_s: float
+    comm_s: float  # forward + backward compute-stream collectives
+    activation_bytes: float
+    dense_params: float
+    expert_params: float
+    link_bytes: tuple[tuple[str, float], ...] = ()  # per micro-batch, by level: TP/EP bytes (fwd + bwd)
+
+
+def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: int, pp: int) -> list[_UnitCost]:
+    tp_ranks = list(range(deg.tp))
+    ep_ranks = list(expert_placement(n, deg.ep, deg.etp, pp).group("ep", 0)) if deg.ep > 1 else []
+    out = []
+    for u in units:
+        tp_f = costs.collective_s("all_reduce", u.tp_bytes * (1 - deg.tp_comm_overlap), tp_ranks, u.tp_count_forward)
+        tp_b = costs.collective_s("all_reduce", u.tp_bytes * (1 - deg.tp_comm_overlap), tp_ranks, u.tp_count_backward)
+        ep = costs.collective_s("all_to_all", u.ep_bytes, ep_ranks, 2) if (u.is_moe and u.ep_bytes) else 0.0
+        fwd = costs.work_s(u.pre) + costs.work_s(u.remote) + costs.work_s(u.post) + tp_f + ep
+        bwd = costs.work_s(u.backward) + costs.work_s(u.backward_remote) + tp_b + ep
+        demand: dict[str, float] = {}
+        size = u.tp_bytes * (1 - deg.tp_comm_overlap)
+        costs.add_demand(demand, "all_reduce", size, tp_ranks, u.tp_count_forward + u.tp_count_backward)
+        if u.is_moe and u.ep_bytes:
+            costs.add_demand(demand, "all_to_all", u.ep_bytes, ep_ranks, 4)
+        out.append(_UnitCost(fwd, bwd, tp_f + tp_b + 2 * ep, u.activation_bytes, u.dense_params, u.expert_params,
+                             tuple(sorted(demand.items()))))
+    return out
+
+
+def _static_bytes(params: float, sizes: tuple[int, int, int], training) -> float:
+    """Resident model states of ``params`` sharded over (param, grad, optim) groups, as
+    ``_sharded.ShardedParams`` holds them (buffers, which only add, left out)."""
+    p, g, o = sizes
+    return params * training.param_element_bytes / p + params * training.grad_element_bytes / g + 12.0 * params / o
+
+
+def _sharded_demand(costs: _Costs, demand: dict[str, float], params: Sequence[float], m: int,
+                    sizes: tuple[int, int, int], dp_group: Sequence[int], training, schedule: Schedule,
+                    step_gather: bool = True) -> None:
+    """Add the link bytes one rank moves in a step for the data-parallel collectives of
+    ``_sharded.ShardedParams`` (gathers and reduce-scatters every micro-batch, the step-end
+    reductions and the previous step's step-end gather), all of which fall inside the step."""
+    p, g, o = sizes
+    sharding = NestedSharding(p, g, o, (tuple(dp_group),))
+    rank = dp_group[0]
+    bw, bg = training.param_element_bytes, training.grad_element_bytes
+    inner = schedule.hierarchical_gather
+
+    def members(role: str, size: int = 1) -> tuple[int, ...]:
+        return tuple(sharding.group_of(role, rank, size)[1])
+
+    for unit_params, k in sorted(Counter(x for x in params if x > 0).items()):
+        if p > 1:
+            phases = [("fwd", schedule.forward_gather_bytes_per_element or bw)]
+            if schedule.reshard_after_forward:
+                phases.append(("bwd", bw))
+            for phase, per in phases:
+                size = unit_params * per
+                if phase == "bwd" and schedule.backward_gather_size:
+                    costs.add_demand(demand, "all_gather", size, members("secondary", schedule.backward_gather_size), m * k)
+                elif inner > 1:
+                    costs.add_demand(demand, "all_gather", size / inner, members("param_outer", inner), m * k)
+                    costs.add_demand(demand, "all_gather", size, members("param_inner", inner), m * k)
+                else:
+                    costs.add_demand(demand, "all_gather", size, members("param"), m * k)
+        if g > 1:
+            costs.add_demand(demand, "reduce_scatter", unit_params * (schedule.grad_reduce_bytes_per_element or bg), members("grad"), m * k)
+        if o > g:
+            costs.add_demand(demand, "reduce_scatter", unit_params / g * bg, members("step_rs"), k)
+        if len(dp_group) // o > 1:
+            costs.add_demand(demand, "all_reduce", unit_params / o * bg, members("replica"), k)
+        if o > p and step_gather:
+            costs.add_demand(demand, "all_gather", unit_params / p * bw, members("step_ag"), k)
+
+
+class Bounder:
+    """Lower bounds on the step time and peak memory the simulator reports for a candidate of
+    one scenario (caches unit costs across candidates; the candidate must be valid, see
+    :func:`check`).
+
+
+    Why they hold (the engine can only be slower or fuller than this):
+
+    - Step time. On each rank the compute stream runs one op at a time, in program order; the
+      reported step is the time between the last optimizer ops of the last two steps, and a
+      rank's last-step work (forwards, backwards, TP/EP collectives on the compute stream,
+      its optimizer) all comes after its previous optimizer. Kernels run at most at the
+      isolated rates of ``sim/compute`` (communication only slows them) and a collective takes
+      at least NCCL's isolated time (links are shared, never faster). With pipelining, stage
+      s's first forward waits for micro-batch 0 to pass stages 0..s-1 and stage 0's last
+      backward follows stage s's, so stage s's work is framed by that fill and drain; the
+      stages' optimizers may end apart by at most the slowed-down largest one.
+    - Memory. Resident model states (parameters, gradients and optimizer states in their
+      shard groups) plus the activations of every forward a stage runs before its first
+      backward frees any (one micro-batch through every unit without pipelining; the
+      schedule's warm-up with it).
+    """
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self._costs: dict[str, _Costs] = {}
+        self._units: dict[tuple, list[_UnitCost]] = {}
+        self._demand: dict[tuple, dict[str, float]] = {}
+        self._layouts: dict[tuple, Any] = {}
+        self._prefix: dict[int, tuple[list[_UnitCost], dict[str, Any]]] = {}
+
+    def sharded_demand(self, precision: str, params: Sequence[float], m: int, sizes: tuple[int, int, int],
+                       dp_group: Sequence[int], training, schedule: Schedule) -> dict[str, float]:
+        # with experts, the dense step-end gather may start before the experts' optimizer ends
+        # (outside the window the bound looks at): left out
+        step_gather = self.scenario.model.moe is None
+        key = (precision, tuple(params), m, sizes, tuple(dp_group), training.param_element_bytes, training.grad_element_bytes, schedule)
+        if key not in self._demand:
+            demand: dict[str, float] = {}
+            _sharded_demand(self.costs(precision), demand, params, m, sizes, dp_group, training, schedule, step_gather)
+            self._demand[key] = demand
+        return self._demand[key]
+
+    def prefix(self, unit_costs: list[_UnitCost]) -> dict[str, Any]:
+        """Cumulative sums over the units of each cost (sums over any run of units in O(1))."""
+        key = id(unit_costs)
+        if key not in self._prefix:
+            out: dict[str, Any] = {}
+            levels = sorted({level for u in unit_costs for level, _ in u.link_bytes})
+            columns = {attr: [getattr(u, attr) for u in unit_costs] for attr in
+                       ("forward_s", "backward_s", "comm_s", "activation_bytes", "dense_params", "expert_params")}
+            for level in levels:
+                columns["link." + level] = [dict(u.link_bytes).get(level, 0.0) for u in unit_costs]
+            for attr, values in columns.items():
+                running, acc = [0.0], 0.0
+                for value in values:
+                    acc += value
+                    running.append(acc)
+                out[attr] = running
+            out["levels"] = levels
+            self._prefix[key] = (unit_costs, out)  # keep the list alive: its id is the key
+        return self._prefix[key][1]
+
+    def nd_layout(self, cfg: Any, training) -> Any:
+        key = (cfg, training.micro_batch_size, training.global_batch_size)
+        if key not in self._layouts:
+            self._layouts[key] = nd.layout(cfg, self.scenario.model, training, self.scenario.topology)
+        return self._layouts[key]
+
+    def costs(self, precision: str) -> _Costs:
+        if precision not in self._costs:
+            self._costs[precision] = _Costs(self.scenario, SimpleNamespace(precision=precision))
+        return self._costs[precision]
+
+    def units(self, training, deg: ParallelDims, pp: int) -> list[_UnitCost]:
+        key = (training.micro_batch_size, training.activation_recompute, deg, pp if deg.ep > 1 else 1)
+        if key not in self._units:
+            sc = self.scenario
+            self._units[key] = _unit_costs(self.costs(training.precision), mp_units(sc.model, training, deg), deg,
+                                           sc.topology.num_devices, pp)
+        return self._units[key]
+
+    def __call__(self, candidate: Candidate) -> Bound:
+        cfg = choice_of(candidate).config
+        training = _training(self.scenario, candidate)
+        return _bound(self, candidate.name, cfg, training)
+
+
+def bound(scenario: Scenario, candidate: Candidate) -> Bound:
+    """:class:`Bounder` for one candidate."""
+    return Bounder(scenario)(candidate)
+
+
+def _bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
+    scenario = bounder.scenario
+    topology = scenario.topology
+    n = topology.num_devices
+    costs = bounder.costs(training.precision)
+    opt_rate = optimizer_bytes_per_param(training)
+    if name == "nd":
+        deg = nd.dims(cfg)
+        lay = bounder.nd_layout(cfg, training)
+        p, v, m = cfg.pp, cfg.vpp, lay.num_micro_batches
+        unit_costs = bounder.units(training, deg, p)
+        pre = bounder.prefix(unit_costs)
+        # units of each virtual stage, [lo, hi): the embedding on the first, the head on the last
+        edges = [0]
+        for count in lay.layers_per_virtual_stage:
+            edges.append(edges[-1] + count)
+        spans = [(0 if j == 0 else edges[j] + 1, len(unit_costs) if j == len(edges) - 2 else edges[j + 1] + 1)
+                 for j in range(len(edges) - 1)]
+
+        def run_sum(attr: str, j: int) -> float:
+            lo, hi = spans[j]
+            column = pre[attr]
+            return column[hi] - column[lo]
+
+        fwd = [run_sum("forward_s", j) for j in range(len(spans))]
+        bwd = [run_sum("backward_s", j) for j in range(len(spans))]
+        comm = [run_sum("comm_s", j) for j in range(len(spans))]
+        acts = [run_sum("activation_bytes", j) for j in range(len(spans))]
+        dense_dp = lay.dp * cfg.cp
+        dense_sizes = {0: (1, 1, 1), 1: (1, 1, dense_dp), 2: (1, dense_dp, dense_dp),
+                       3: (dense_dp, dense_dp, dense_dp)}[cfg.zero_stage]
+        best = (-1.0, 0.0, 0.0, 0.0)
+        memory = link = 0.0
+        opt_s = []
+        stage_work: list[tuple[float, float]] = []  # (kernel seconds, link seconds) per stage
+        fill = 0.0  # chunk 0 of the stages before this one, forward and backward
+        block = cfg.tp * cfg.cp * lay.dp
+        for s in range(p):
+            vstages = [c * p + s for c in range(v)]
+            work = m * sum(fwd[j] + bwd[j] for j in vstages)
+            talk = m * sum(comm[j] for j in vstages)
+            if work + fill > best[0]:
+                best = (work + fill, work, talk, fill)
+            fill += fwd[s] + bwd[s]
+            dense = sum(run_sum("dense_params", j) for j in vstages)
+            expert = sum(run_sum("expert_params", j) for j in vstages)
+            # upper bound of this stage's optimizer time (experts counted unsharded)
+            opt_s.append(costs.work_s(Work(bytes_accessed=(dense / dense_sizes[2] + expert) * opt_rate)))
+            # forwards before the first backward (Megatron's warm-up, then one steady forward)
+            warmup = min(p - s - 1, m) if v == 1 else min((p - s - 1) * 2 + (v - 1) * p, m * v)
+            held = sum(acts[((k // p) % v) * p + s] for k in range(warmup + (1 if m * v > warmup else 0)))
+            memory = max(memory, _static_bytes(dense, dense_sizes, training) + held)
+            # the (dp, cp) group of stage s's first rank; ranks are placed tp, cp, dp, pp (tp fastest)
+            dp_group = range(s * block, (s + 1) * block, cfg.tp)
+            params = tuple(unit_costs[u].dense_params for j in vstages for u in range(*spans[j]))
+            demand = dict(bounder.sharded_demand(training.precision, params, m, dense_sizes, dp_group, training,
+                                                 Schedule()))
+            for level in pre["levels"]:
+                lb = sum(run_sum("link." + level, j) for j in vstages)
+                if lb:
+                    demand[level] = demand.get(level, 0.0) + m * lb
+            stage_link = costs.link_s(demand)
+            link = max(link, stage_link)
+            stage_work.append((work - talk, stage_link))
+        largest_opt = (1 + costs.slowdown) * max(opt_s)
+        window = max(_slowed(k, a, costs.slowdown) for k, a in stage_work) - largest_opt
+        step = max(best[0] - costs.slowdown * max(opt_s), window)
+        chain = best[0] - costs.slowdown * max(opt_s)
+        return Bound(max(step, 0.0), best[1], best[2], best[3], memory, link, window > chain)
+    plugin = plugin_of(name)
+    plan: _family.FamilyPlan = plugin.plan(cfg, topology)
+    deg = plan.dims
+    dp = deg.data_parallel(topology.num_devices)
+    m = training.global_batch_size // (training.micro_batch_size * dp)
+    unit_costs = bounder.units(training, deg, 1)
+    work = m * sum(u.forward_s + u.backward_s for u in unit_costs)
+    talk = m * sum(u.comm_s for u in unit_costs)
+    dense = sum(u.dense_params for u in unit_costs)
+    expert = sum(u.expert_params for u in unit_costs)
+    sizes = (plan.param_size, plan.grad_size, plan.optim_size)
+    expert_world = n // (deg.ep * deg.etp)
+    expert_sizes = tuple(min(s, expert_world) for s in sizes)
+    optimizer = costs.work_s(Work(bytes_accessed=dense / plan.optim_size * opt_rate))
+    if expert:
+        optimizer += costs.work_s(Work(bytes_accessed=expert / expert_sizes[2] * opt_rate))
+    static = _static_bytes(dense, sizes, training) + _static_bytes(expert, expert_sizes, training)  # type: ignore[arg-type]
+    memory = static + sum(u.activation_bytes for u in unit_costs)
+    # the (dp, cp) group of rank 0; ranks are placed tp, cp, dp (tp fastest)
+    demand = dict(bounder.sharded_demand(training.precision, [u.dense_params for u in unit_costs], m, sizes,
+                                         range(0, n, deg.tp), training, plan.schedule))
+    for u in unit_costs:
+        for level, b in u.link_bytes:
+            demand[level] = demand.get(level, 0.0) + m * b
+    link = costs.link_s(demand)
+    total = max(work + optimizer, _slowed(work - talk + optimizer, link, costs.slowdown))
+    return Bound(total, work + optimizer, talk, 0.0, memory, link, total > work + optimizer)
+
+
+def _slowed(kernel_s: float, talking_s: float, slowdown: float) -> float:
+    """Least time for ``kernel_s`` of kernels on a rank that also talks for ``talking_s``: kernels
+    run 1/(1 + slowdown) as fast while it talks, so at best all talking overlaps kernels."""
+    if talking_s >= (1 + slowdown) * kernel_s:
+        return talking_s
+    return kernel_s + talking_s * slowdown / (1 + slowdown)
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def evaluate(scenario: Scenario, candidate: Candidate) -> dict[str, Any]:
+    """Build and simulate one candidate (runs in a worker process or on a Dask worker).
+
+    Returns ``{"report": contract}`` or ``{"rejected": reason}`` when its resident model states
+    (from the built graph) exceed the device memory, ``{"error": message}`` for a graph error."""
+    from hzpsim.planner import _report, _resolve
+
+    try:
+        sc = variant(scenario, candidate)
+        choice = sc.strategies[0]
+        graph = plugin_of(choice.name).build(choice.config, sc.model, sc.training, sc.topology)
+        capacity = sc.topology.device.memory_bytes
+        states = max(sum(memory.values()) for memory in graph.static_memory.values())
+        if states > capacity:
+            return {"rejected": f"resident states {states / 2**30:.1f} GiB exceed {capacity / 2**30:.1f} GiB",
+                    "memory_bytes": states}
+        report = _report(sc, _resolve(sc, choice.name, choice.config), graph, None)
+    except (ValueError, GraphError) as exc:
+        return {"error": str(exc)}
+    report["training_resolved"] = candidate.training()
+    return {"report": report}
+
+
+def _evaluate_task(task: tuple[Scenario, Candidate]) -> dict[str, Any]:
+    return evaluate(*task)
+
+
+class Runner:
+    """Runs evaluations: in this process, in local worker processes, or on a Dask cluster."""
+
+    def map(self, tasks: list[tuple[Scenario, Candidate]]) -> list[dict[str, Any]]:
+        return [_evaluate_task(t) for t in tasks]
+
+    def close(self) -> None:
+        pass
+
+
+class ProcessRunner(Runner):
+    def __init__(self, workers: int) -> None:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        self.pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+
+    def map(self, tasks: list[tuple[Scenario, Candidate]]) -> list[dict[str, Any]]:
+        return list(self.pool.map(_evaluate_task, tasks))
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class DaskRunner(Runner):
+    """``address``: a scheduler address (``tcp://host:8786``) or a ``distributed`` Client /
+    LocalCluster object."""
+
+    def __init__(self, address: Any) -> None:
+        try:
+            from distributed import Client
+        except ImportError:
+            raise ScenarioError("--dask: needs the 'distributed' package (pip install 'hzpsim[dask]')") from None
+        self.own = not hasattr(address, "submit")
+        try:
+            self.client = Client(address, timeout=5) if self.own else address
+        except (OSError, TimeoutError, ValueError) as exc:
+            raise ScenarioError(f"--dask {address}: cannot reach the scheduler ({exc})") from None
+
+    def map(self, tasks: list[tuple[Scenario, Candidate]]) -> list[dict[str, Any]]:
+        futures = self.client.map(_evaluate_task, tasks, pure=False)
+        return list(self.client.gather(futures))
+
+    def close(self) -> None:
+        if self.own:
+            self.client.close()
+
+
+# ---------------------------------------------------------------------------- the search
+
+
+@dataclass
+class Row:
+    """What became of one candidate."""
+
+    candidate: Candidate
+    status: str  # invalid | pruned_memory | pruned_bound | rejected | simulated | error | skipped
+    reason: str = ""
+    bound: Bound | None = None
+    report: dict[str, Any] | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.report is not None and bool(self.report["fits_in_memory"])
+
+
+@dataclass
+class SearchResult:
+    scenario: Scenario
+    families: tuple[str, ...]
+    rows: list[Row]
+    top_n: int
+    wall_s: float
+    exact: bool  # False when --max-evals stopped the search before the bound did
+    exhaustive: bool = False
+    ranked: list[Row] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ranked = sorted((r for r in self.rows if r.feasible), key=_rank)
+
+    @property
+    def best(self) -> Row | None:
+        return self.ranked[0] if self.ranked else None
+
+    def best_of(self, family: str) -> Row | None:
+        return next((r for r in self.ranked if r.candidate.name == family), None)
+
+    def count(self, *statuses: str) -> int:
+        return sum(r.status in statuses for r in self.rows)
+
+    def why_infeasible(self, family: str) -> str:
+        rows = [r for r in self.rows if r.candidate.name == family]
+        if not rows:
+            return "no candidates in the searched space"
+        if all(r.status == "invalid" for r in rows):
+            return f"every one of {len(rows)} candidates is invalid, e.g. {rows[0].reason}"
+        memory = [(r.report["peak_memory_bytes"] if r.report else (r.bound.memory_bytes if r.bound else math.inf), r)
+                  for r in rows if r.status in ("pruned_memory", "rejected", "simulated")]
+        if memory and all(r.status in ("invalid", "pruned_memory", "rejected", "simulated") for r in rows):
+            least, row = min(memory, key=lambda x: (x[0], x[1].candidate.key))
+            capacity = self.scenario.topology.device.memory_bytes
+            return (f"out of memory: the least hungry candidate ({row.candidate.label()}) needs at least "
+                    f"{least / 2**30:.1f} GiB of {capacity / 2**30:.1f} GiB")
+        skipped = sum(r.status == "skipped" for r in rows)
+        return f"not found within --max-evals ({skipped} candidates not evaluated)"
+
+    def to_json(self) -> dict[str, Any]:
+        """``{best, best_per_family, infeasible, top, num_candidates, num_simulated, num_pruned,
+        wall_s, ...}`` (docs/contract.md)."""
+        best = self.best
+        return {
+            "best": best.report if best else None,
+            "best_per_family": {f: (r.report if (r := self.best_of(f)) else None) for f in self.families},
+            "infeasible": {f: self.why_infeasible(f) for f in self.families if self.best_of(f) is None},
+            "top": [r.report for r in self.ranked[: self.top_n]],
+            "num_candidates": len(self.rows),
+            "num_simulated": self.count("simulated", "rejected", "error"),
+            "num_pruned": self.count("pruned_memory", "pruned_bound"),
+            "num_pruned_memory": self.count("pruned_memory"),
+            "num_pruned_bound": self.count("pruned_bound"),
+            "num_invalid": self.count("invalid"),
+            "num_skipped": self.count("skipped"),
+            "exact": self.exact,
+            "wall_s": self.wall_s,
+        }
+
+
+def _rank(row: Row) -> tuple[float, str]:
+    assert row.report is not None
+    return (row.report["step_time_s"], row.candidate.key)
+
+
+def search(scenario: Scenario, families: Sequence[str] | None = None, top: int = 10,
+           max_evals: int | None = None, space: Space | None = None, runner: Runner | None = None,
+           progress: bool = False, exhaustive: bool = False) -> SearchResult:
+    """Branch and bound over the space (module docstring). ``exhaustive`` simulates every
+    valid candidate (no pruning; for checking the search)."""
+    start = time.perf_counter()
+    families = tuple(families or FAMILIES)
+    space = space or default_space(scenario)
+    runner = runner or Runner()
+    capacity = scenario.topology.device.memory_bytes
+    rows: list[Row] = []
+    alive: list[Row] = []
+    bounder = Bounder(scenario)
+    checked: dict[tuple, str | None] = {}  # plugins' checks do not look at the recompute mode
+    candidates = enumerate_candidates(scenario, families, space)
+    first = _progress(len(candidates), progress, "hzpsim search: bounding")
+    for index, candidate in enumerate(candidates):
+        if first is not None and index % 256 == 0:
+            first.update(min(256, len(candidates) - index))
+        layout_key = (candidate.name, candidate.fields, candidate.micro_batch_size)
+        if layout_key not in checked:
+            checked[layout_key] = check(scenario, candidate)
+        reason = checked[layout_key]
+        if reason is not None:
+            rows.append(Row(candidate, "invalid", reason))
+            continue
+        b = bounder(candidate)
+        row = Row(candidate, "alive", bound=b)
+        rows.append(row)
+        if b.memory_bytes > capacity and not exhaustive:
+            row.status = "pruned_memory"
+            row.reason = f"needs at least {b.memory_bytes / 2**30:.1f} GiB of {capacity / 2**30:.1f} GiB"
+            continue
+        alive.append(row)
+    alive.sort(key=lambda r: (r.bound.step_time_s, r.candidate.key))  # type: ignore[union-attr]
+    if first is not None:
+        first.close()
+
+    feasible_steps: list[float] = []  # sorted
+    family_best: dict[str, float] = {}
+    evals = 0
+    exact = True
+    bar = _progress(len(alive), progress, "hzpsim search: simulating")
+    i = 0
+    try:
+        while i < len(alive):
+            batch: list[Row] = []
+            while i < len(alive) and len(batch) < BATCH:
+                row = alive[i]
+                i += 1
+                lb = row.bound.step_time_s  # type: ignore[union-attr]
+                threshold = max(feasible_steps[top - 1] if len(feasible_steps) >= top else math.inf,
+                                family_best.get(row.candidate.name, math.inf))
+                if exhaustive or lb <= threshold:
+                    if max_evals is not None and evals >= max_evals:
+                        row.status, row.reason = "skipped", "not evaluated (--max-evals)"
+                        exact = False
+                        continue
+                    batch.append(row)
+                    evals += 1
+                else:
+                    row.status = "pruned_bound"
+                    row.reason = f"cannot beat {threshold:.3f} s: at least {lb:.3f} s" + _bound_parts(row.bound)
+                if bar is not None:
+                    bar.update(1)
+            if not batch:
+                continue
+            for row, result in zip(batch, runner.map([(scenario, r.candidate) for r in batch])):
+                if "report" in result:
+                    row.status, row.report = "simulated", result["report"]
+                    assert row.report is not None
+                    if row.report["fits_in_memory"]:
+                        step = row.report["step_time_s"]
+                        feasible_steps.append(step)
+                        feasible_steps.sort()
+                        family_best[row.candidate.name] = min(family_best.get(row.candidate.name, math.inf), step)
+                    else:
+                        row.reason = (f"out of memory: peak {row.report['peak_memory_bytes'] / 2**30:.1f} GiB of "
+                                      f"{capacity / 2**30:.1f} GiB")
+                elif "rejected" in result:
+                    row.status, row.reason = "rejected", "out of memory: " + result["rejected"]
+                else:
+                    row.status, row.reason = "error", result["error"]
+    finally:
+        if bar is not None:
+            bar.close()
+    return SearchResult(scenario, families, rows, top, time.perf_counter() - start, exact, exhaustive)
+
+
+def _bound_parts(b: Bound | None) -> str:
+    if b is None:
+        return ""
+    parts = [f"compute {b.compute_s - b.comm_s:.2f} s"]
+    if b.comm_s:
+        parts.append(f"exposed TP/EP {b.comm_s:.2f} s")
+    if b.bubble_s:
+        parts.append(f"bubble {b.bubble_s:.2f} s")
+    if b.link_s:
+        parts.append(f"link traffic {b.link_s:.2f} s")
+    return " (" + ", ".join(parts) + f"; limited by {b.limited_by})"
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled or total == 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="cand", file=sys.stderr, leave=False)
+
+
+def make_runner(dask: Any = None, workers: int | None = None) -> Runner:
+    """Dask when ``dask`` is given, else ``workers`` local processes (None: one per core, at
+    most 8; 1: this process)."""
+    if dask is not None:
+        return DaskRunner(dask)
+    workers = workers if workers is not None else min(os.cpu_count() or 1, 8)
+    return ProcessRunner(workers) if workers > 1 else Runner()
+
+
+# ---------------------------------------------------------------------------- text output
+
+
+def loss_reason(row: Row, best: Row) -> str:
+    """Why a simulated candidate is slower than the best: the part of its step that grew most."""
+    assert row.report is not None and best.report is not None
+    mine, theirs = row.report["time_breakdown_s"], best.report["time_breakdown_s"]
+
+    def group(breakdown: dict[str, float]) -> dict[str, float]:
+        out = {"compute": 0.0, "bubble": 0.0, "exposed communication": 0.0}
+        for key, seconds in breakdown.items():
+            out["compute" if key.startswith("compute.") else "bubble" if key == "idle" else "exposed communication"] += seconds
+        return out
+
+    a, b = group(mine), group(theirs)
+    worst = max(a, key=lambda k: (a[k] - b[k], k))
+    delta = a[worst] - b[worst]
+    if delta <= 0:
+        return "-"
+    return f"+{_seconds(delta)} s {worst}"
+
+
+def _seconds(x: float) -> str:
+    """3 decimals for human-scale steps, 3 significant digits for tiny test models."""
+    return f"{x:.3f}" if abs(x) >= 0.1 else f"{x:.3g}"
+
+
+def format_search(result: SearchResult, source: str | None = None) -> str:
+    """The ``hzpsim search`` text: counts, best per family, top N with why they lost."""
+    sc = result.scenario
+    data = result.to_json()
+    rate = len(result.rows) / result.wall_s if result.wall_s > 0 else math.inf
+    lines = [format_summary(sc), ""]
+    lines.append(
+        f"searched {data['num_candidates']:,} candidates in {result.wall_s:.1f} s ({rate:,.0f}/s): "
+        f"{data['num_invalid']:,} invalid, {data['num_pruned_memory']:,} pruned by the memory bound, "
+        f"{data['num_pruned_bound']:,} by the step-time bound, {data['num_simulated']:,} simulated"
+        + ("" if result.exact else f", {data['num_skipped']:,} not evaluated (--max-evals: answer not exact)")
+    )
+    best = result.best
+    lines += ["", "best of each family:"]
+    header = f"  {'family':<14} {'layout':<46} {'step s':>8} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9}  vs best"
+    lines += [header, "  " + "-" * (len(header) - 2)]
+    for family in result.families:
+        row = result.best_of(family)
+        if row is None:
+            lines.append(f"  {family:<14} infeasible: {result.why_infeasible(family)}")
+            continue
+        lines.append(_row_line(family, row, best))
+    lines += ["", f"top {min(result.top_n, len(result.ranked))} overall:", header.replace("family        ", "rank          "),
+              "  " + "-" * (len(header) - 2)]
+    for i, row in enumerate(result.ranked[: result.top_n], 1):
+        lines.append(_row_line(str(i), row, best))
+    losers = [r for r in result.rows if r.status in ("pruned_memory", "pruned_bound", "rejected", "simulated")
+              and not r.feasible]
+    if losers:
+        lines += ["", "the others lost because:"]
+        counts: dict[str, int] = {}
+        for r in result.rows:
+            if r.status in ("pruned_memory", "rejected") or (r.status == "simulated" and not r.feasible):
+                counts["out of memory"] = counts.get("out of memory", 0) + 1
+            elif r.status == "pruned_bound":
+                b = r.bound
+                assert b is not None
+                key = b.limited_by
+                counts[f"slower by bound: {key}"] = counts.get(f"slower by bound: {key}", 0) + 1
+            elif r.status == "simulated" and r is not best:
+                counts["simulated, slower"] = counts.get("simulated, slower", 0) + 1
+            elif r.status == "invalid":
+                counts["invalid layout"] = counts.get("invalid layout", 0) + 1
+        for key, count in sorted(counts.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {count:>7,}  {key}")
+    if best is not None:
+        where = f" {source}" if source else ""
+        lines += ["", "run the best: hzpsim run" + where + " " + " ".join(f"--set {o}" for o in best.candidate.overrides())]
+    return "\n".join(lines)
+
+
+def _row_line(tag: str, row: Row, best: Row | None) -> str:
+    r = row.report
+    assert r is not None
+    layout = f"{strategies.label(r['strategy_resolved'])} mb{row.candidate.micro_batch_size} {row.candidate.activation_recompute}"
+    why = "best" if row is best else (loss_reason(row, best) if best else "")
+    return (f"  {tag:<14} {layout:<46} {_seconds(r['step_time_s']):>8} {r['tokens_per_s']:>11,.0f} {r['mfu']:>6.1%} "
+            f"{r['peak_memory_bytes'] / 2**30:>9.1f}  {why}")
+
+
+def parse_families(values: Iterable[str] | None) -> tuple[str, ...]:
+    """``--family`` values (repeatable, comma-separated) -> strategy names; ScenarioError otherwise."""
+    if not values:
+        return FAMILIES
+    out: list[str] = []
+    known = strategies.available()
+    for value in values:
+        for name in (v.strip() for v in value.split(",")):
+            if name not in known:
+                raise ScenarioError(f"--family {name!r}: unknown strategy (known: {', '.join(known)})")
+            if name not in out:
+                out.append(name)
+    return tuple(out)
+
+
+Progress = Callable[[int], None]

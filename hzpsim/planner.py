@@ -3,7 +3,7 @@
 A strategy that can pick its own layout (AsyncHZP's ``adaptive: true``) offers candidates
 (``candidates(config, model, training, topology)``); the planner simulates each, keeps those
 whose peak memory leaves the stated reserve free, and picks the fastest (ties: smaller param
-group, then larger optimizer group, as data/strategies.md §1.4 suggests). Strategies never
+group, then larger optimizer group, as docs/strategies.md §1.4 suggests). Strategies never
 simulate anything themselves.
 """
 

@@ -1,6 +1,6 @@
 """Device catalog: peak dense FLOP/s per dtype, HBM capacity and bandwidth.
 
-Every number carries its source. Tags follow ``data/strategies.md``: [SRC] primary source
+Every number carries its source. Tags follow ``docs/strategies.md``: [SRC] primary source
 (vendor datasheet / official docs), [SEC] secondary source, [INF] our own inference.
 
 Conventions (apply to every entry):

@@ -19,7 +19,7 @@ Two types, one boundary: ``ClusterSpec`` is what the user wrote (``None`` = from
 ``ResolvedCluster`` (every field concrete). ``Topology`` is built from a ``ResolvedCluster``
 only and reads no files; ``build_topology`` does both steps for a ``ClusterSpec``.
 
-Sources of the defaults (tags as in ``data/strategies.md``):
+Sources of the defaults (tags as in ``docs/strategies.md``):
 
 * NVLink4 450 GB/s/dir, achieved ≈370 GB/s busbw → η = 370/450 ≈ 0.822
   [SRC NVIDIA/nccl-tests #212, strategies.md §3].

@@ -5,7 +5,7 @@
 interleaved with the unit's TP / CP / EP collectives. Shared by ``nd`` (with pipelining) and by
 the sharded family when it composes with ``tp``/``cp``/``ep``.
 
-Communication per layer and micro-batch (data/strategies.md §2.7, §2.8):
+Communication per layer and micro-batch (docs/strategies.md §2.7, §2.8):
 
 - TP: two all-reduces of b·s·h activations in the forward and two in the backward, i.e.
   8·b·s·h·(t−1)/t elements per rank; with sequence parallelism each all-reduce becomes an

@@ -1,7 +1,7 @@
 """The sharded data-parallel emitter shared by the whole ZeRO family.
 
 Every published "ZeRO-like" scheme is a case of three nested sharding groups inside a
-data-parallel group of N ranks (``data/strategies.md`` §1.4):
+data-parallel group of N ranks (``docs/strategies.md`` §1.4):
 
     param_size | grad_size | optim_size | N
 

@@ -2,7 +2,7 @@
 
 Parameters, gradients and optimizer states are sharded over three nested groups
 ``param_group_size | grad_group_size | optim_group_size | N`` instead of ZeRO-3's one group of
-all N ranks (data/strategies.md §1.4, the inferred model: the paper's body was not readable).
+all N ranks (docs/strategies.md §1.4, the inferred model: the paper's body was not readable).
 Per micro-batch: parameters are all-gathered inside the param group (forward and, with
 ``reshard_after_forward``, backward) and gradients reduce-scattered inside the grad group. At
 the step end: reduce-scatter across optim/grad, all-reduce across the N/optim replicas, the

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from hzpsim.config import ScenarioError
+from hzpsim.presets import read_yaml
 from hzpsim.scenario import Scenario, load_scenario, scenario_from_mapping
 
 DEFAULT_TOLERANCE = 0.005
@@ -85,10 +86,7 @@ def load_goldens(path: str | Path) -> list[Golden]:
     file = Path(path)
     if not file.is_file():
         raise ScenarioError(f"{path}: no such goldens file")
-    try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"{path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    data = read_yaml(file)
     if not isinstance(data, list) or not data:
         raise ScenarioError(f"{path}: expected a non-empty list of entries")
     out: list[Golden] = []

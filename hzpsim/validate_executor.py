@@ -31,11 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hzpsim import strategies
 from hzpsim.config import ScenarioError
 from hzpsim.ops import COLLECTIVE, COLLECTIVE_KINDS
+from hzpsim.presets import read_yaml
 from hzpsim.scenario import Scenario, StrategyChoice, scenario_from_mapping
 
 #: The validation scenario (also ``examples/executor-world4.yaml``): a small Llama-style model in
@@ -73,9 +72,9 @@ def load_profile(path: str | None) -> dict[str, Any]:
     if not file.is_file():
         raise ScenarioError(f"--profile {path}: no such file")
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ScenarioError(f"--profile {path}: not valid YAML ({str(exc).splitlines()[0]})") from None
+        data = read_yaml(file)
+    except ScenarioError as exc:
+        raise ScenarioError(f"--profile {exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("device"), dict) or not isinstance(data.get("cluster"), dict):
         raise ScenarioError(f"--profile {path}: expected a mapping with 'device' and 'cluster' (hzpsim calibrate machine)")
     return data
@@ -340,12 +339,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     unknown = [f for f in filters if f not in STRATEGY_FILTERS]
     if unknown:
         raise ScenarioError(f"--strategies: unknown {unknown[0]!r} (known: {', '.join(STRATEGY_FILTERS)})")
-    if not 1 <= args.world <= 64:
-        raise ScenarioError(f"--world: {args.world} is not between 1 and 64")
-    if args.steps < 3:
-        raise ScenarioError("--steps: at least 3 (warm-up, counted step, last step)")
-    if args.comm_delay < 0:
-        raise ScenarioError("--comm-delay: must be >= 0")
+    from hzpsim.executor.cli import check_run_options
+
+    check_run_options(args)
     raw = DEFAULT_SCENARIO
     if args.scenario:
         from hzpsim.presets import read_yaml

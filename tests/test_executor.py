@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hzpsim.cli import main
+from hzpsim.validate_executor import DEFAULT_SCENARIO
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,13 +27,7 @@ TINY = {
     "training": {"global_batch_size": 8, "micro_batch_size": 1, "precision": "fp32", "grad_dtype": "fp32",
                  "activation_recompute": "none"},
     "cluster": {"preset": "local-cpu"},
-    "strategies": [
-        {"name": "zero", "stage": 3},
-        {"name": "hsdp", "shard_group_size": 2},
-        {"name": "nd", "tp": 2, "pp": 2, "sequence_parallel": True},
-        {"name": "nd", "tp": 2, "dp": 2, "sequence_parallel": True},
-        {"name": "asynchzp", "param_group_size": 2, "grad_group_size": 2, "optim_group_size": 4},
-    ],
+    "strategies": DEFAULT_SCENARIO["strategies"],  # the validation's five world-4 strategies
 }
 
 

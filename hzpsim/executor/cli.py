@@ -53,17 +53,22 @@ def register(sub: argparse._SubParsersAction,
     return {"calibrate": what}
 
 
+def check_run_options(args: argparse.Namespace) -> None:
+    """``--world``, ``--steps`` and ``--comm-delay`` of ``execute`` and ``validate executor``."""
+    if not 1 <= args.world <= 64:
+        raise ScenarioError(f"--world: {args.world} is not between 1 and 64")
+    if args.steps < 3:
+        raise ScenarioError("--steps: at least 3 (warm-up, counted step, last step)")
+    if args.comm_delay < 0:
+        raise ScenarioError("--comm-delay: must be >= 0")
+
+
 def _cmd_execute(args: argparse.Namespace) -> int:
     from hzpsim.executor import require_torch
     from hzpsim.scenario import load_scenario
 
     require_torch()
-    if not 1 <= args.world <= 64:
-        raise ScenarioError(f"--world: {args.world} is not between 1 and 64")
-    if args.steps < 3:
-        raise ScenarioError("--steps: at least 3")
-    if args.comm_delay < 0:
-        raise ScenarioError("--comm-delay: must be >= 0")
+    check_run_options(args)
     scenario = load_scenario(args.scenario, args.set or ())
     from hzpsim.executor.spec import run_specs
 

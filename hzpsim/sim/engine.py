@@ -145,7 +145,7 @@ class Engine:
                     yield self._start_slowable(op)
                 else:
                     yield self.env.timeout(self.compute_model.duration_s(op))
-                if device:  # device work: what a straggler falls behind on
+                if device and self.stragglers.cv > 0:  # device work: what a straggler falls behind on
                     self.stragglers.worked(op.ranks[0], self.env.now - self.start_s[op.id])
                 self._finish(op)
                 previous_end_s = self.env.now

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hzpsim import __version__, regress, search, strategies, validation
+from hzpsim import calibrate as calibration_command
 from hzpsim.cluster.devices import DEVICES
 from hzpsim.config import ScenarioError, key_of
 from hzpsim.executor import cli as executor_cli
@@ -252,6 +253,7 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--trace", metavar="FILE", help="write the reported step as a Chrome/Perfetto trace (one strategy)")
         p.add_argument("--plot", metavar="FILE", help="write a figure (PNG/SVG/PDF): the strategies compared; "
                        "with one strategy, its stream timeline and memory over the step")
+        p.add_argument("--profile", metavar="FILE", help="calibration profile JSON (default: the shipped fit)")
     p = sub.add_parser("search", help="search the whole strategy space for the best layout of each family")
     p.add_argument("scenario", nargs="?", help="scenario YAML file (omit for the built-in default)")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a field, e.g. cluster.num_nodes=16")
@@ -265,6 +267,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dask", metavar="ADDRESS", help="run the simulations on this Dask scheduler (tcp://host:8786)")
     p.add_argument("--workers", metavar="N", help="local worker processes (default: one per core; 1 = this process)")
     p.add_argument("--exhaustive", action="store_true", help="simulate every valid candidate (no pruning; slow)")
+    p.add_argument("--profile", metavar="FILE", help="calibration profile JSON (default: the shipped fit)")
     p.add_argument("--json", action="store_true", help="print one JSON document (docs/contract.md)")
     p.add_argument("--plot", metavar="FILE", help="write the search landscape (throughput vs memory) to FILE")
     p = sub.add_parser("regress", help="check predictions against a goldens file (exit 1 if one moved)")
@@ -273,7 +276,8 @@ def make_parser() -> argparse.ArgumentParser:
     what = p.add_subparsers(dest="target", required=True)
     published = what.add_parser("published", help="the published large runs in hzpsim/data/published_calibration.csv")
     validation.add_arguments(published)
-    executor_cli.register(sub, what)  # execute, calibrate machine, validate executor (needs torch)
+    groups = executor_cli.register(sub, what)  # execute, calibrate machine, validate executor (needs torch)
+    calibration_command.add_targets(groups["calibrate"])  # calibrate published, calibrate measured
     p = sub.add_parser("list", help="list devices, cluster presets, workloads and strategies")
     p.add_argument("what", nargs="?", choices=("devices", "presets", "topologies", "workloads", "models", "strategies"))
     return parser
@@ -282,6 +286,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
+        calibration_command.load_profile_option(getattr(args, "profile", None))
         if args.command == "list":
             return _cmd_list(args)
         if hasattr(args, "handler"):

@@ -372,6 +372,47 @@ class Model:
                 expert += mlp(self.moe.expert_ffn_hidden_size)
         return tuple(dense), tuple(expert)
 
+    def _mlp_linears(self, ffn: int) -> list[tuple[int, int, str]]:
+        h = self.hidden_size
+        ups = [(h, ffn, "column")] * (2 if self.mlp == "swiglu" else 1)
+        return [*ups, (ffn, h, "row")]
+
+    def layer_linears(self, i: int) -> dict[str, list[tuple[int, int, str]]]:
+        """The GEMM weights one token of layer ``i`` goes through, as (in features K, out
+        features N, tensor-parallel split) per block: ``attention``, ``mlp`` (the dense MLP, or
+        the shared experts of an MoE layer), ``router`` and ``expert`` (one routed expert).
+        Split follows Megatron's ColumnParallelLinear ("column": N is divided by t) and
+        RowParallelLinear ("row": K is divided by t); the router is not split ("none"). The
+        weights follow ``layer_tensors`` (GPT fuses Q, K, V; Llama keeps them apart). MLA's
+        projections are all counted column-parallel except the output projection, as
+        ``attention_matmul_params`` divides all of them by t. Per block, K·N summed over the
+        entries equals the matmul parameter counts (``attention_matmul_params``,
+        ``_mlp_matmul_params``, ``router_params``)."""
+        h, a = self.hidden_size, self.num_heads
+        attention: list[tuple[int, int, str]]
+        if self.mla is not None:
+            m = self.mla
+            qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+            attention = [(h, a * qk, "column")] if m.q_lora_rank is None else [
+                (h, m.q_lora_rank, "column"), (m.q_lora_rank, a * qk, "column")]
+            attention += [(h, m.kv_lora_rank + m.qk_rope_head_dim, "column"),
+                          (m.kv_lora_rank, a * (m.qk_nope_head_dim + m.v_head_dim), "column"),
+                          (a * m.v_head_dim, h, "row")]
+        else:
+            d, kv = self.head_dim_resolved, self.kv_heads
+            qkv = [(h, (a + 2 * kv) * d, "column")] if self.mlp == "gelu" else [
+                (h, a * d, "column"), (h, kv * d, "column"), (h, kv * d, "column")]
+            attention = [*qkv, (a * d, h, "row")]
+        out: dict[str, list[tuple[int, int, str]]] = {"attention": attention, "mlp": [], "router": [], "expert": []}
+        if not self.is_moe_layer(i):
+            out["mlp"] = self._mlp_linears(self.ffn_hidden_size)
+        else:
+            assert self.moe is not None
+            out["mlp"] = self._mlp_linears(self.moe.shared_ffn_resolved) * self.moe.num_shared_experts
+            out["router"] = [(h, self.moe.num_experts, "none")]
+            out["expert"] = self._mlp_linears(self.moe.expert_ffn_hidden_size)
+        return out
+
     def layer_kernels_forward(self, i: int, flash_attention: bool = True) -> int:
         """Kernels an eager forward of layer ``i`` launches [INF, counted from the usual model
         code]: one per GEMM weight, two norms, two residual adds, the dropouts, RoPE, the

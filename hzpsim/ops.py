@@ -33,6 +33,8 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from hzpsim.kernels import Shape
+
 COMPUTE = "compute"
 COLLECTIVE = "collective"
 
@@ -90,6 +92,7 @@ class Op:
         "step",
         "count",
         "duration_s",
+        "shapes",
     )
 
     def __init__(
@@ -111,6 +114,7 @@ class Op:
         step: int = 0,
         count: int = 1,
         duration_s: float = 0.0,
+        shapes: tuple[Shape, ...] = (),
     ) -> None:
         self.id = id
         self.kind = kind
@@ -129,6 +133,7 @@ class Op:
         self.step = step
         self.count = count  # a collective repeated back to back (e.g. a layer's two TP all-reduces)
         self.duration_s = duration_s  # fixed time added to a compute op's rate-based time (host work)
+        self.shapes = shapes  # the kernels behind ``flops`` (hzpsim.kernels), shared between ops
 
     @property
     def senders(self) -> tuple[int, ...]:
@@ -202,9 +207,12 @@ class OpGraph:
         free: Mapping[str, float] | None = None,
         step: int = 0,
         duration_s: float = 0.0,
+        shapes: tuple[Shape, ...] = (),
     ) -> int:
         """A compute op on ``rank``'s ``stream``: FLOPs by class and HBM bytes, timed by the
-        device's rates, plus a fixed ``duration_s`` (host work: launches, Python, syncs)."""
+        device's rates, plus a fixed ``duration_s`` (host work: launches, Python, syncs).
+        ``shapes`` are the GEMM and attention kernels the FLOPs come from (``hzpsim.kernels``);
+        when given, the cost model times them instead of the class totals."""
         op = Op(
             len(self.ops),
             COMPUTE,
@@ -219,6 +227,7 @@ class OpGraph:
             free=_delta(free),
             step=step,
             duration_s=float(duration_s),
+            shapes=shapes,
         )
         self.ops.append(op)
         return op.id

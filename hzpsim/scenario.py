@@ -224,6 +224,10 @@ def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str) -> S
         topology.device.peak_flops_per_s(training.precision)
     except ValueError as exc:
         raise ScenarioError(f"training.precision: {exc}") from None
+    kernels = topology.device.attention_kernels
+    if training.fused_attention and training.attention_kernel != "auto" and kernels and training.attention_kernel not in kernels:
+        raise ScenarioError(f"training.attention_kernel: {training.attention_kernel!r} does not run on "
+                            f"{topology.device.name} (runs there: {', '.join(kernels)})")
     for i, choice in enumerate(choices):
         path = "strategy" if "strategy" in data else f"strategies[{i}]"
         try:

@@ -331,7 +331,7 @@ class _Costs:
 
     def work_s(self, work: Work) -> float:
         op = SimpleNamespace(duration_s=0.0, flops=tuple((k, v) for k, v in work.flops().items() if v),
-                             bytes_accessed=work.bytes_accessed)
+                             bytes_accessed=work.bytes_accessed, shapes=work.shapes)
         return self.compute.duration_s(op)  # type: ignore[arg-type]
 
     def collective_s(self, kind: str, size: float, ranks: Sequence[int], count: int = 1) -> float:

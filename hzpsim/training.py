@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 Precision = Literal["bf16", "fp16", "fp8", "fp32"]
+AttentionKernel = Literal["auto", "flash2", "flash3", "cudnn", "triton", "unfused"]
+ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
 
 
 @dataclass(frozen=True)
@@ -20,6 +22,10 @@ class Training:
     flash_attention: bool = True  # attention scores are never stored (no s^2 activation term)
     autocast: bool = False  # torch.autocast mixed precision: fp32 residual stream and elementwise
     # kernels, GEMM inputs cast to `precision` (LLM-Foundry amp_bf16); false = pure bf16 (Megatron, FSDP2)
+    attention_kernel: AttentionKernel = "auto"  # the fused attention kernel family; "auto" = the
+    # device's usual one (sim/compute.py DEFAULT_ATTENTION_KERNEL); "unfused" = flash_attention false
+    compile: bool = False  # torch.compile: pointwise kernels fused between GEMMs (fewer launches,
+    # less HBM traffic); false = eager
     num_steps: int = 2  # optimizer steps simulated; the last one is reported (steady state)
 
     def validate(self) -> None:
@@ -32,8 +38,18 @@ class Training:
                 f"global_batch_size: {self.global_batch_size} is not divisible by "
                 f"micro_batch_size {self.micro_batch_size}"
             )
+        if not self.flash_attention and self.attention_kernel not in ("auto", "unfused"):
+            raise ValueError(
+                f"attention_kernel: {self.attention_kernel!r} is a fused kernel but flash_attention is false "
+                "(unfused attention); set attention_kernel: unfused or flash_attention: true"
+            )
         if not 2 <= self.num_steps <= 100:
             raise ValueError("num_steps: must be between 2 and 100 (the last step is reported)")
+
+    @property
+    def fused_attention(self) -> bool:
+        """Attention runs as one fused (flash-style) kernel: scores never reach HBM."""
+        return self.flash_attention and self.attention_kernel != "unfused"
 
     @property
     def param_element_bytes(self) -> int:

@@ -35,9 +35,10 @@ PACKAGE = REPO / "hzpsim"
 # `strategies` < `sim` < `report` < `planner` < `cli`") plus the modules it does not name.
 LAYERS: list[tuple[str, ...]] = [
     # foundations: the version, ScenarioError and typed mappings, preset files (YAML)
-    ("__init__", "config", "presets"),
-    # the nouns: a model, one rank's ops, the training settings
-    ("model", "ops", "training"),
+    # and the calibration profile in use (declared constants and their fitted values)
+    ("__init__", "config", "presets", "calibration"),
+    # the nouns: a model, one rank's ops and their kernel shapes, the training settings
+    ("model", "ops", "training", "kernels"),
     ("cluster",),
     ("strategies",),
     # a typed, validated scenario: asks the strategy plugins to check their layouts, never simulates
@@ -48,7 +49,8 @@ LAYERS: list[tuple[str, ...]] = [
     # tools built on the planner: published-run validation, the strategy search, regression
     # runs, data frames of reports, and the PyTorch executor with its comparison to the simulator
     # (executor/cli and validate_executor import each other, so they share a layer)
-    ("validation", "search", "regress", "frames", "executor", "validate_executor"),
+    # (validation reads calibrate's Measurement; calibrate reads validation's published rows)
+    ("validation", "search", "regress", "frames", "executor", "validate_executor", "calibrate"),
     # front ends
     ("plots", "cli"),
 ]

@@ -42,6 +42,22 @@ class Device:
     default_cluster_preset: str  # preset giving this device's usual node fabric
     source: str  # where the numbers come from
     nominal_memory_gb: float | None = None  # the capacity on the label ("80GB"); None = memory_bytes / 1e9
+    num_sms: int | None = None  # streaming multiprocessors (CUs, AI cores) the GEMM tiles spread over;
+    # None = no tile/wave model (the device's GEMM rate is its large-GEMM rate whatever the shape)
+    tdp_w: float | None = None  # board power the peak clock is specified at
+    power_limit_w: float | None = None  # power cap the device runs under; None = tdp_w
+    attention_kernels: tuple[str, ...] = ()  # fused attention kernel families that run on it
+    # (training.attention_kernel); () = not tracked (attention at one fused-kernel rate)
+
+    @property
+    def sustained_clock_fraction(self) -> float:
+        """Clock a power-capped device sustains in compute-bound kernels, as a fraction of the
+        clock it sustains at its TDP: dynamic power P ∝ C·V²·f with V rising roughly with f in
+        the DVFS range, so P ∝ f³ and f ∝ P^(1/3) [INF, the CMOS power law; e.g. Hennessy &
+        Patterson, Computer Architecture 6th ed. §1.5]. 1 without a cap."""
+        if self.power_limit_w is None or self.tdp_w is None or self.power_limit_w >= self.tdp_w:
+            return 1.0
+        return (self.power_limit_w / self.tdp_w) ** (1 / 3)
 
     @property
     def memory_label_gb(self) -> float:
@@ -88,6 +104,8 @@ DEVICES: dict[str, Device] = {
             peak_fp32_flops_per_s=19.5 * TERA,
             memory_bytes=40 * GIGA,  # 40 GB HBM2 [SRC datasheet]
             memory_bytes_per_s=1555 * GIGA,  # 1,555 GB/s [SRC datasheet, A100 40GB SXM]
+            num_sms=108, tdp_w=400,
+            attention_kernels=("flash2", "cudnn", "triton"),  # FlashAttention-3 needs Hopper (FA3 README)
             default_cluster_preset="dgx-a100",
             source=_A100_SRC + " 40GB SXM: 40 GB HBM2 at 1,555 GB/s [SRC datasheet].",
         ),
@@ -102,6 +120,8 @@ DEVICES: dict[str, Device] = {
             memory_bytes=85_056_798_720,
             nominal_memory_gb=80,
             memory_bytes_per_s=2039 * GIGA,  # 2,039 GB/s [SRC datasheet; strategies.md §4]
+            num_sms=108, tdp_w=400,
+            attention_kernels=("flash2", "cudnn", "triton"),  # FlashAttention-3 needs Hopper (FA3 README)
             default_cluster_preset="dgx-a100",
             source=_A100_SRC + " 80GB SXM: 80 GB HBM2e at 2,039 GB/s.",
         ),
@@ -116,6 +136,8 @@ DEVICES: dict[str, Device] = {
             memory_bytes=81559 * 2**20,
             nominal_memory_gb=80,
             memory_bytes_per_s=3.35 * TERA,  # 3.35 TB/s
+            num_sms=132, tdp_w=700,
+            attention_kernels=("flash2", "flash3", "cudnn", "triton"),
             default_cluster_preset="dgx-h100",
             source=(
                 "[SRC] NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16/FP16 1,979 TF and FP8 "
@@ -131,6 +153,8 @@ DEVICES: dict[str, Device] = {
             peak_fp32_flops_per_s=66.9 * TERA,
             memory_bytes=141 * GIGA,  # 141 GB HBM3e
             memory_bytes_per_s=4.8 * TERA,  # 4.8 TB/s
+            num_sms=132, tdp_w=700,
+            attention_kernels=("flash2", "flash3", "cudnn", "triton"),
             default_cluster_preset="dgx-h200",
             source=(
                 "[SRC] NVIDIA H200 datasheet (SXM): compute as H100 SXM (1,979 TF BF16 sparse = "
@@ -146,6 +170,7 @@ DEVICES: dict[str, Device] = {
             peak_fp32_flops_per_s=95.7 * TERA / 2,  # FP32 matrix 95.7 TF per package [SRC AMD]
             memory_bytes=64 * GIGA,  # 128 GB HBM2e per package, 64 per GCD
             memory_bytes_per_s=1.6 * TERA,  # 3.2 TB/s per package, 1.6 per GCD
+            num_sms=110,  # compute units per GCD [SRC AMD CDNA2 whitepaper: 220 CUs per MI250X]
             default_cluster_preset="frontier",
             source=(
                 "[SRC] AMD Instinct MI250X datasheet: 383 TF peak FP16/BF16 matrix, 95.7 TF FP32 "
@@ -163,6 +188,7 @@ DEVICES: dict[str, Device] = {
             peak_fp32_flops_per_s=15.7 * TERA,  # single precision 15.7 TF [SRC datasheet]
             memory_bytes=32 * GIGA,  # 32 GB HBM2 (16 GB SKU exists)
             memory_bytes_per_s=900 * GIGA,  # 900 GB/s
+            num_sms=80, tdp_w=300,
             default_cluster_preset="dgx2-v100",
             source=(
                 "[SRC] NVIDIA Tesla V100 datasheet (SXM2): tensor 125 TF (fp16), FP32 15.7 TF, "

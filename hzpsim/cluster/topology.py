@@ -125,6 +125,7 @@ class ClusterSpec:
     inter_island_latency_s: float | None = None
     inter_node_latency_s: float | None = None
     device_memory_bytes: float | None = None  # override of the device's memory capacity (bytes); None = the catalog's
+    device_power_limit_w: float | None = None  # power cap of each device (W); None = its TDP
     variability: float | None = None  # cv of per-rank time between synchronisations; None = default
     variability_seed: int | None = None  # seed of the sampled draws under --expand; None = 0
 
@@ -168,6 +169,9 @@ class ClusterSpec:
         v = self.device_memory_bytes
         if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
             raise ValueError(f"device_memory_bytes: must be a positive number of bytes, got {v!r}")
+        v = self.device_power_limit_w
+        if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
+            raise ValueError(f"device_power_limit_w: must be a positive number of watts, got {v!r}")
         v = self.spine_oversubscription
         if v is not None and not (_is_number(v) and v >= 1 and math.isfinite(v)):
             raise ValueError(f"spine_oversubscription: must be a finite ratio >= 1, got {v!r}")
@@ -217,6 +221,13 @@ class ClusterSpec:
             values["variability_seed"] = 0
         if values["device_memory_bytes"] is None and values["device"] is not None:
             values["device_memory_bytes"] = get_device(values["device"]).memory_bytes
+        if values["device"] is not None:
+            tdp = get_device(values["device"]).tdp_w
+            if values["device_power_limit_w"] is None:
+                values["device_power_limit_w"] = tdp or 0.0
+            elif tdp is None:
+                raise ValueError(f"device_power_limit_w: device {values['device']!r} has no TDP in the "
+                                 "catalog, so a power cap cannot be modelled")
         # each value comes from a validated mapping (this spec or the preset file); only the
         # cross-field rule can be broken by mixing the two
         _check_islands_divide(values["gpus_per_node"], values["islands_per_node"])
@@ -280,6 +291,9 @@ class ResolvedCluster:
     """α per ring step through the NIC, leaf and spine (seconds ≥ 0)."""
     device_memory_bytes: float
     """Memory capacity of one device (bytes; the catalog's unless overridden)."""
+    device_power_limit_w: float
+    """Power cap of each device (W; its TDP unless set; 0 = a device without a TDP): a cap
+    below the TDP lowers the sustained compute clock."""
     variability: float
     """Coefficient of variation of a rank's time between synchronisations (0 = off)."""
     variability_seed: int
@@ -368,6 +382,8 @@ class Topology:
         self.device: Device = get_device(spec.device, spec.device_overrides)
         if spec.device_memory_bytes != self.device.memory_bytes:  # e.g. a 96 GB H100 variant
             self.device = replace(self.device, memory_bytes=spec.device_memory_bytes)
+        if spec.device_power_limit_w and spec.device_power_limit_w != self.device.tdp_w:  # e.g. 500 W H100s
+            self.device = replace(self.device, power_limit_w=spec.device_power_limit_w)
         self.num_nodes: int = spec.num_nodes
         self.devices_per_node: int = spec.gpus_per_node
         self.islands_per_node: int = spec.islands_per_node

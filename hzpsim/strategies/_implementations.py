@@ -29,7 +29,8 @@ Granularity = Literal["unit", "tensor", "bucket"]
 # -- host-cost priors (docs/hardware-constants.md §7) -------------------------------------------
 #: Host time to dispatch one eager PyTorch kernel (Python + ATen dispatch + cudaLaunchKernel):
 #: eager PyTorch tops out near 280,000 ops/s on tiny tensors, ~3.5 us per op (H. He, "Making
-#: Deep Learning Go Brrrr", 2022). Plausible range 2-10 us.
+#: Deep Learning Go Brrrr", 2022). Plausible range 2-10 us. Not fitted: no published row's
+#: step moves with its host thread (``hzpsim calibrate`` reports each row's host elasticity).
 KERNEL_LAUNCH_S = 3.5e-6
 #: Host time of one flat collective call through c10d (Python, ProcessGroupNCCL, NCCL enqueue):
 #: ~10 us on the fast path, ~45 us on the old coalescing path (pytorch PR #98793).

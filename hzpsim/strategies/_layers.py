@@ -8,19 +8,38 @@ forward and twice that in the backward (see ``_model_parallel.mp_units``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+from hzpsim.kernels import Attention, Gemm, Shape, merged, scaled
 from hzpsim.training import Training
 
 
 @dataclass(frozen=True)
 class Work:
-    """FLOPs by kernel class and memory-bound bytes of one compute op."""
+    """FLOPs by kernel class and memory-bound bytes of one compute op, with the kernel shapes
+    that make them up (``shapes``, see :mod:`hzpsim.kernels`). Build it with :meth:`of` from
+    shapes; FLOP-only work (no shapes) is timed at the class's large-kernel rate."""
 
     gemm: float = 0.0
     attention_forward: float = 0.0
     attention_backward: float = 0.0
     bytes_accessed: float = 0.0
+    shapes: tuple[Shape, ...] = ()
+
+    @classmethod
+    def of(cls, shapes: Iterable[Shape], bytes_accessed: float = 0.0) -> Work:
+        """Work whose FLOP totals are exactly those of ``shapes``."""
+        shapes = merged(shapes)
+        gemm = attention_forward = attention_backward = 0.0
+        for s in shapes:
+            if isinstance(s, Gemm):
+                gemm += s.flops
+            elif isinstance(s, Attention) and s.backward:
+                attention_backward += s.flops
+            else:
+                attention_forward += s.flops
+        return cls(gemm, attention_forward, attention_backward, bytes_accessed, shapes)
 
     def flops(self) -> dict[str, float]:
         return {
@@ -35,15 +54,23 @@ class Work:
             self.attention_forward * factor,
             self.attention_backward * factor,
             self.bytes_accessed * factor,
+            scaled(self.shapes, factor),
         )
 
     def __add__(self, other: Work) -> Work:
+        assert bool(self.shapes) == bool(other.shapes) or not (self.flops_total and other.flops_total), \
+            "adding work with kernel shapes to FLOP-only work would lose its shapes"
         return Work(
             self.gemm + other.gemm,
             self.attention_forward + other.attention_forward,
             self.attention_backward + other.attention_backward,
             self.bytes_accessed + other.bytes_accessed,
+            merged(self.shapes, other.shapes),
         )
+
+    @property
+    def flops_total(self) -> float:
+        return self.gemm + self.attention_forward + self.attention_backward
 
     def __bool__(self) -> bool:
         return bool(self.gemm or self.attention_forward or self.attention_backward or self.bytes_accessed)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hzpsim.cluster.placement import Placement
+from hzpsim.kernels import Attention, Gemm, Shape
 from hzpsim.model import Model
 from hzpsim.ops import Ranks
 from hzpsim.strategies._dims import ParallelDims
@@ -88,8 +89,23 @@ class MPUnit:
     """Eager kernels the backward launches, the recompute included."""
 
 
-def _split(work: Work, fraction: float) -> tuple[Work, Work]:
-    return work.scaled(fraction), work.scaled(1 - fraction)
+def _gemms(linears: Sequence[tuple[int, int, str]], tokens: float, t: int) -> list[Gemm]:
+    """The forward GEMMs of ``linears`` (``Model.layer_linears``) over ``tokens`` rows, each
+    weight split ``t`` ways along N (column-parallel) or K (row-parallel)."""
+    return [Gemm(tokens, n / t if split == "column" else n, k / t if split == "row" else k)
+            for k, n, split in linears]
+
+
+#: torch.compile fuses the pointwise kernels between two GEMMs into one Inductor kernel
+#: [INF, from Inductor's pointwise fusion]: a residual add and the norm after it become one
+#: kernel that reads the two summands and writes the sum and the normalised output (4·B·h
+#: per token where eager moves 3·B·h + 2·B·h), and the dropout's read and write fold into
+#: the same kernel (its 1-byte mask remains); RoPE and the activation function are single
+#: kernels already. Factor on each ``Model.elementwise_bytes_per_token`` term.
+_FUSED_BY_COMPILE = {"norms": 1.0, "residual_adds": 2.0 / 3.0, "dropouts": 1.0 / 5.0}
+#: Eager kernels per layer that compile folds into their neighbours: the two residual adds
+#: (into the norms) [INF, same fusion].
+_KERNELS_FUSED_BY_COMPILE = 2
 
 
 def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit]:
@@ -114,31 +130,38 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         tensors=(model.embedding_params() / t,), kernels_forward=1, kernels_backward=2,
     ))
     kv_per_rank = max(model.kv_heads / t, 1.0)
+    fused = training.fused_attention
+    d_qk, d_v = model.head_dim_resolved, model.v_head_dim_resolved
+    heads = b * model.num_heads / t  # (batch × heads) this rank attends for
+    if fused:  # one flash-style kernel; causal: the kernel skips the masked half
+        attn_core: list[Attention] = [Attention(heads, model.seq_len / c, model.seq_len, d_qk, d_v, True,
+                                                training.attention_kernel)]
+        attn_scores: list[Gemm] = []
+    else:  # the score and value products as batched GEMMs over every (query, key) pair
+        attn_core = []
+        attn_scores = [Gemm(model.seq_len / c, model.seq_len, d_qk, heads), Gemm(model.seq_len / c, d_v, model.seq_len, heads)]
     for i in range(model.num_layers):
-        # flash attention runs the causal half; unfused attention computes every score as
-        # batched GEMMs and moves the score tensors through HBM
-        flops = model.layer_forward_flops(i, tokens, causal=training.flash_attention)
-        attention = flops["attention"] / (t * c)
-        attn_gemm = 2.0 * model.attention_matmul_params() * tokens / (t * c)
-        if not training.flash_attention:
-            attn_gemm, attention = attn_gemm + attention, 0.0
+        linears = model.layer_linears(i)
+        attn_gemms = _gemms(linears["attention"], local, t)
         stored = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute="none",
-            flash_attention=training.flash_attention, cp=c, act_bytes=act,
+            flash_attention=fused, cp=c, act_bytes=act,
         )
         kept = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute=mode,
-            flash_attention=training.flash_attention, cp=c, act_bytes=act,
+            flash_attention=fused, cp=c, act_bytes=act,
         )
         traffic = 0.0
-        for per_token, kind in model.elementwise_bytes_per_token(i, elementwise_bytes).values():
+        for name, (per_token, kind) in model.elementwise_bytes_per_token(i, elementwise_bytes).items():
+            if training.compile and name in _FUSED_BY_COMPILE:
+                per_token *= _FUSED_BY_COMPILE[name]
             traffic += per_token / (t if kind == "split" or deg.sequence_parallel else 1)
         if training.autocast:  # each GEMM input is cast fp32 -> bf16: read 4, write 2 bytes
             d = model.head_dim_resolved
             ffn = (model.moe.top_k * model.moe.expert_ffn_hidden_size) if model.is_moe_layer(i) and model.moe else model.ffn_hidden_size
             traffic += 6 * (2 * h + model.num_heads * d / t + ffn / t)
         traffic *= local
-        if not training.flash_attention:
+        if not fused:
             # scores written, softmax read + written, dropout read + written + 1-byte mask,
             # probabilities read by the value GEMM: (6·B + 1) bytes per head per query-key pair
             traffic += (6 * act + 1) * model.num_heads / t * local * model.seq_len
@@ -147,40 +170,55 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         if moe:
             assert model.moe is not None
             k = model.moe.top_k
-            routed = 2.0 * k * model.expert_matmul_params() * sp_tokens / deg.etp * deg.moe_imbalance
-            shared = 2.0 * model.moe.num_shared_experts * model._mlp_matmul_params(model.moe.shared_ffn_resolved) * local / t
-            router = 2.0 * h * model.moe.num_experts * sp_tokens
-            mlp_gemm = routed + shared + router
+            # grouped GEMMs: this rank's E/ep experts share the sp_tokens·k routed copies (×
+            # the busiest rank's imbalance), expert weights split by etp
+            local_experts = model.moe.num_experts / deg.ep
+            per_expert = sp_tokens * k * deg.moe_imbalance / local_experts
+            mlp_gemms = [*_gemms(linears["mlp"], local, t), *_gemms(linears["router"], sp_tokens, 1),
+                         *(g._replace(calls=local_experts) for g in _gemms(linears["expert"], per_expert, deg.etp))]
             dense_params = model.attention_params() / t + norms + model.router_params() + (
                 model.moe.num_shared_experts * model.shared_expert_params() / t
             )
             expert_params = model.moe.num_experts * model.expert_params() / (deg.ep * deg.etp)
             ep_bytes = sp_tokens * k * h * act if deg.ep > 1 else 0.0
         else:
-            mlp_gemm = 2.0 * (model.layer_matmul_params_active(i) - model.attention_matmul_params()) * tokens / (t * c)
+            mlp_gemms = _gemms(linears["mlp"], local, t)
             dense_params = model.layer_params(i) / t + norms * (1 - 1 / t)
             expert_params = 0.0
             ep_bytes = 0.0
-        attn_local, attn_remote = _split(Work(attention_forward=attention), 1 / c)
-        pre = Work(attn_gemm, attn_local.attention_forward, 0.0, traffic * 0.5)
-        post = Work(mlp_gemm, 0.0, 0.0, traffic * 0.5)
-        forward_gemm = attn_gemm + mlp_gemm
-        # backward: twice the GEMM FLOPs; its memory-bound kernels read the saved input and the
-        # output gradient and write the input gradient, about twice the forward traffic [INF]
-        backward = Work(2 * forward_gemm, 0.0, 2 * attn_local.attention_forward, 2 * traffic)
-        if mode == "full":
-            backward = Work(backward.gemm + forward_gemm, attn_local.attention_forward, backward.attention_backward,
-                            backward.bytes_accessed + traffic)
-        elif mode == "selective":
-            backward = Work(backward.gemm, attn_local.attention_forward, backward.attention_backward,
-                            backward.bytes_accessed)
-        remote_recompute = attn_remote.attention_forward if mode != "none" else 0.0
-        backward_remote = Work(0.0, remote_recompute, 2 * attn_remote.attention_forward, 0.0)
+        pre_shapes = [*attn_gemms, *attn_scores]
+        # fp8: no extra traffic is charged for the casts to fp8. Transformer Engine fuses them
+        # into the producing kernel (LayerNormLinear; delayed scaling needs no amax pass) and
+        # torch.compile fuses torchao's float8 casts likewise; the GEMM then reads a 1-byte
+        # operand instead of a 2-byte one. Eager torchao float8 (unfused casts) is not modelled.
+        forward_shapes: list[Gemm] = [*pre_shapes, *mlp_gemms]
+        # backward: each GEMM's data- and weight-gradient GEMMs; the attention kernel's backward;
+        # its memory-bound kernels read the saved input and the output gradient and write the
+        # input gradient, about twice the forward traffic [INF]
+        backward_shapes: list[Shape] = [g for shape in forward_shapes for g in shape.backward()]
+        backward_shapes += [a._replace(backward=True) for a in attn_core]
+        backward_traffic = 2 * traffic
+        if mode == "full":  # the whole forward again
+            backward_shapes += [*forward_shapes, *attn_core]
+            backward_traffic += traffic
+        elif mode == "selective":  # the attention core again
+            backward_shapes += [*attn_core, *attn_scores]
+        attn_local = Work.of(attn_core).scaled(1 / c) if c > 1 else Work.of(attn_core)
+        attn_remote = Work.of(attn_core).scaled(1 - 1 / c) if c > 1 else Work()
+        pre = Work.of(pre_shapes, traffic * 0.5) + attn_local
+        post = Work.of(mlp_gemms, traffic * 0.5)
+        local_bwd: list[Shape] = [s for s in backward_shapes if not isinstance(s, Attention)]
+        local_bwd += [a._replace(calls=a.calls / c) for a in backward_shapes if isinstance(a, Attention)]
+        backward = Work.of(local_bwd, backward_traffic)
+        remote_bwd = [a._replace(calls=a.calls * (1 - 1 / c)) for a in backward_shapes if isinstance(a, Attention)]
+        backward_remote = Work.of(remote_bwd) if c > 1 else Work()
         cp_bytes = c * 2 * (model.seq_len / c) * b * kv_per_rank * model.head_dim_resolved * act if c > 1 else 0.0
         tp_count = (1 if moe else 2) if t > 1 else 0
         dense_tensors, expert_tensors = model.layer_tensors(i)
-        kernels = model.layer_kernels_forward(i, training.flash_attention)
-        local_experts = expert_tensors[: len(expert_tensors) // deg.ep] if expert_tensors else ()
+        kernels = model.layer_kernels_forward(i, fused)
+        if training.compile:
+            kernels -= _KERNELS_FUSED_BY_COMPILE
+        local_experts_t = expert_tensors[: len(expert_tensors) // deg.ep] if expert_tensors else ()
         units.append(MPUnit(
             name=f"layer{i}", dense_params=dense_params, expert_params=expert_params, pre=pre, remote=attn_remote,
             post=post, backward=backward, backward_remote=backward_remote, activation_bytes=kept,
@@ -190,18 +228,18 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
             tp_count_forward=tp_count, tp_count_backward=tp_count * (2 if mode == "full" else 1),
             cp_bytes=cp_bytes, ep_bytes=ep_bytes, p2p_bytes=p2p_bytes, is_moe=moe,
             tensors=tuple(x if x == h else x / t for x in dense_tensors),
-            expert_tensors=tuple(x / deg.etp for x in local_experts),
+            expert_tensors=tuple(x / deg.etp for x in local_experts_t),
             kernels_forward=kernels, kernels_backward=kernels * (3 if mode == "full" else 2),
         ))
-    head_gemm = model.head_forward_flops(tokens) / (t * c)
+    head_gemm = Gemm(local, vocab / t, h)
     # The loss, kernel by kernel per logit [INF]: the GEMM writes bf16 logits (2 bytes), the
     # cast to fp32 reads 2 and writes 4, log-softmax reads 4 and writes 4 (kept for the
     # backward); backward: its gradient reads 4 and writes 4, the cast to bf16 reads 4, writes 2.
     elements = local * vocab / t
     units.append(MPUnit(
         name="head", dense_params=(model.head_params() / t) + model.final_norm_params(),
-        pre=Work(gemm=head_gemm, bytes_accessed=16 * elements),
-        backward=Work(gemm=2 * head_gemm, bytes_accessed=14 * elements), activation_bytes=4 * elements,
+        pre=Work.of([head_gemm], 16 * elements),
+        backward=Work.of(list(head_gemm.backward()), 14 * elements), activation_bytes=4 * elements,
         tp_bytes=tp_bytes, tp_count_backward=1 if t > 1 else 0, p2p_bytes=p2p_bytes,
         tensors=((model.head_params() / t) + model.final_norm_params(),), kernels_forward=4, kernels_backward=4,
     ))

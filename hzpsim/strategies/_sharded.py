@@ -241,7 +241,7 @@ class Emitter:
         ids = {
             lane: self.graph.compute(
                 lane, name, category, work.flops(), [d.get(lane) for d in [*deps, launch] if d],
-                bytes_accessed=work.bytes_accessed, alloc=alloc, free=free, step=step,
+                bytes_accessed=work.bytes_accessed, alloc=alloc, free=free, step=step, shapes=work.shapes,
             )
             for lane in self.lanes
         }

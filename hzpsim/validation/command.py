@@ -22,6 +22,7 @@ from typing import Any
 
 import pandas as pd
 
+from hzpsim.calibration import profile as calibration
 from hzpsim.config import ScenarioError
 from hzpsim.validation.csvfile import rows_to_scenarios, select_cases
 from hzpsim.validation.mapping import STRATEGY_FAMILIES, Case
@@ -72,6 +73,14 @@ def format_validation(df: pd.DataFrame) -> str:
         lines.append("by source: " + "; ".join(
             f"{k} n={v['n']} median {v['median_err_pct']:+.1f}%" for k, v in s["by_source"].items()))
         lines.append("worst: " + "; ".join(f"{w['label']} {w['err_tokens_pct']:+.1f}%" for w in s["worst"]))
+        lines += ["", format_error_summary(s)]
+        groups = [g for g in s["orderings"] if g["pairs"]]
+        if groups:
+            lines.append(f"same-cluster orderings: {sum(g['matches'] for g in groups)} of {len(groups)} groups "
+                         f"predicted in the measured order ({sum(g['agree'] for g in groups)} of "
+                         f"{sum(g['pairs'] for g in groups)} pairs)")
+            lines += [f"  {'ok ' if g['matches'] else 'NO '} {g['group']}: {g['agree']}/{g['pairs']} pairs, rows "
+                      + ",".join(map(str, g["rows"])) for g in groups]
     if s["reported_only_compared"]:
         lines.append(
             f"reported-only rows (approximate, other FLOP conventions): {s['reported_only_compared']}, "
@@ -80,6 +89,23 @@ def format_validation(df: pd.DataFrame) -> str:
     if s["skip_reasons"]:
         lines.append("not run:")
         lines += [f"  {n:4d}  {reason}" for reason, n in s["skip_reasons"].items()]
+    return "\n".join(lines)
+
+
+def _pct_or_na(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.1%}"
+
+
+def format_error_summary(s: dict[str, Any]) -> str:
+    """In-sample and leave-one-source-out |error| per regime (the figures that count)."""
+    lines = [f"{'regime':<16} {'rows':>5} {'in-sample median':>17} {'p90':>7} {'CV median':>10} {'CV p90':>7}"]
+    for name, f in [("all", s), *s["by_regime"].items()]:
+        if f is None:
+            lines.append(f"{name:<16} {'<3':>5} {'n/a':>17} {'n/a':>7} {'n/a':>10} {'n/a':>7}")
+            continue
+        lines.append(f"{name:<16} {f['num_rows']:>5} {_pct_or_na(f['in_sample_median_abs_error']):>17} "
+                     f"{_pct_or_na(f['in_sample_p90_abs_error']):>7} {_pct_or_na(f['cv_median_abs_error']):>10} "
+                     f"{_pct_or_na(f['cv_p90_abs_error']):>7}")
     return "\n".join(lines)
 
 
@@ -133,6 +159,7 @@ def main_published(
     max_devices: int | None = None,
     rows: Sequence[int] | None = None,
     out: Any = None,
+    profile: str | Path | None = None,
 ) -> int:
     """``hzpsim validate published``: print the table (or JSON {rows, summary}); exit code 0,
     2 (one line on stderr) when the CSV cannot be read or an option is nonsense."""
@@ -143,11 +170,17 @@ def main_published(
         except ScenarioError as exc:
             raise ScenarioError(f"--csv: {exc}") from None
         check_options(cases, families, sources, max_rows, max_devices, rows)
+        fit = None
+        if profile is not None:
+            try:
+                fit = calibration.load(profile)
+            except ValueError as exc:
+                raise ScenarioError(f"--profile: {exc}") from None
     except ScenarioError as exc:
         print(f"hzpsim: error: {exc}", file=sys.stderr)
         return 2
     selected = select_cases(cases, families, sources, max_devices, max_rows, rows)
-    df = validate_published(selected)
+    df = validate_published(selected, profile=fit)
     if json:
         records = [{k: _jsonable(v) for k, v in r.items()} for r in df.to_dict("records")]
         print(_json.dumps({"rows": records, "summary": summarize(df)}, indent=2), file=out)
@@ -166,9 +199,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rows", type=int, help="keep only the first N selected rows")
     parser.add_argument("--row", type=int, action="append", dest="rows", help="CSV row index (0-based); repeatable")
     parser.add_argument("--json", action="store_true", help="print {rows, summary} as JSON")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="calibration profile JSON whose constants and folds to score (default: the shipped fit)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run ``hzpsim validate published`` with parsed :func:`add_arguments` options."""
     return main_published(args.csv_path, args.families, args.sources, args.max_rows, args.json,
-                          args.max_devices, args.rows)
+                          args.max_devices, args.rows, profile=args.profile)

@@ -100,8 +100,8 @@ def map_device(gpu: str) -> tuple[str, list[str]]:
             if "96gb" in g:
                 caveats.append(
                     "H100 96GB HBM2e @500W (Grand Teton) simulated as h100-sxm with 96 GB "
-                    "(cluster.device_memory_bytes) but the 700 W SXM peak and HBM3 bandwidth "
-                    "(throughput optimistic): the 500 W figures are not published"
+                    "(cluster.device_memory_bytes) and a 500 W power cap (cluster.device_power_limit_w) "
+                    "but the HBM3 bandwidth of the SXM part: the HBM2e figure is not published"
                 )
             return name, caveats
     raise RowSkipped(f"gpu: unknown device {gpu!r}")
@@ -241,6 +241,10 @@ def map_cluster(row: dict[str, Any], device: str, n_gpus: int) -> tuple[dict[str
     if memory_gb and float(memory_gb.group(1)) != catalog.memory_label_gb:
         # a variant of the device (e.g. the 96 GB H100): the same share of its label's capacity
         cluster["device_memory_bytes"] = float(memory_gb.group(1)) / catalog.memory_label_gb * catalog.memory_bytes
+    power = re.search(r"(\d+)\s*w\b", cell_text(row, "gpu").lower())
+    if power and catalog.tdp_w and float(power.group(1)) < catalog.tdp_w:
+        # a power-capped variant (the 500 W H100s of Meta's Grand Teton): the sustained clock drops
+        cluster["device_power_limit_w"] = float(power.group(1))
     if gpn != base.gpus_per_node:
         cluster["gpus_per_node"] = gpn
     text = cell_text(row, "inter_node")
@@ -456,6 +460,8 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
             training["grad_dtype"] = grad
         if _pre_flash_attention(row):
             training["flash_attention"] = False
+        if "compile" in cell_text(row, "system").lower():
+            training["compile"] = True
         if "amp" in cell_text(row, "precision").lower():
             training["autocast"] = True
             assumptions.append("precision 'amp': torch.autocast (fp32 residual stream, casts before GEMMs)")

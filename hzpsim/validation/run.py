@@ -17,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from hzpsim.calibration.profile import Profile
 from hzpsim.config import ScenarioError
 from hzpsim.validation.mapping import Case
 
@@ -28,6 +29,7 @@ COLUMNS = (
     "reported_metric", "meas_reported", "pred_reported", "err_reported_pct",
     "fits_in_memory", "pred_peak_mem_gib", "pred_exposed_comm_s", "pred_overlap",
     "sim_wall_s", "derived", "assumptions", "caveats",
+    "regimes", "cv_pred_tokens_per_s_per_gpu", "cv_err_tokens_pct",
 )
 """Columns of :func:`validate_published`'s DataFrame (and of the ``--json`` rows), in order."""
 
@@ -42,15 +44,24 @@ def validate_published(
     cases: Iterable[Case],
     progress: Callable[[str], None] | None = None,
     expand: bool = False,
+    profile: Profile | None = None,
+    cross_validate: bool = True,
 ) -> pd.DataFrame:
     """Simulate every runnable case; one DataFrame row per case (skipped ones included).
 
     ``status``: ok | skip (mapping or missing strategy: ``reason``) | invalid (the scenario
     was rejected: ScenarioError message) | error (simulation failed). Errors are signed
-    (pred - meas) / meas in percent.
+    (pred - meas) / meas in percent. Predictions use ``profile``'s constants (default: the
+    active calibration); with ``cross_validate``, each row of a source the profile has a fold
+    for is simulated again with the constants fitted without that source (``cv_*`` columns:
+    the leave-one-source-out prediction).
     """
+    from hzpsim.calibration import profile as calibration
     from hzpsim.planner import run_choice  # imported late to keep the CSV side light
     from hzpsim.scenario import scenario_from_mapping
+    from hzpsim.validation.regimes import regimes_of
+
+    profile = profile or calibration.active()
 
     records = []
     for case in cases:
@@ -81,12 +92,26 @@ def validate_published(
             continue
         t0 = time.perf_counter()
         try:
-            report = run_choice(scenario, scenario.strategies[0], expand=expand)
+            with calibration.using(profile):
+                scenario = scenario_from_mapping(case.scenario_mapping, source=case.label)
+                report = run_choice(scenario, scenario.strategies[0], expand=expand)
+            fold = profile.for_fold(case.source_id)
+            cv_report = None
+            if cross_validate and case.source_id in profile.folds:
+                cv_report = report
+                if dict(fold.constants) != dict(profile.constants):
+                    with calibration.using(fold):
+                        cv_scenario = scenario_from_mapping(case.scenario_mapping, source=case.label)
+                        cv_report = run_choice(cv_scenario, cv_scenario.strategies[0], expand=expand)
         except Exception as exc:  # a simulator bug on a valid scenario: record, keep going
             rec.update(status="error", reason=f"{type(exc).__name__}: {exc}")
             records.append(rec)
             continue
         wall = time.perf_counter() - t0
+        rec["regimes"] = ", ".join(regimes_of(case.scenario_mapping or {}))
+        if cv_report is not None:
+            rec["cv_pred_tokens_per_s_per_gpu"] = cv_report["tokens_per_s_per_device"]
+            rec["cv_err_tokens_pct"] = _pct(cv_report["tokens_per_s_per_device"], meas["tokens_per_s_per_gpu"])
         model, training = scenario.model, scenario.training
         peak = scenario.topology.device.peak_flops_per_s(training.precision)
         meas_mfu_palm = None
@@ -166,8 +191,71 @@ def summarize(df: pd.DataFrame, worst: int = 5) -> dict[str, Any]:
             e = grp["err_tokens_pct"].astype(float)
             out["by_source"][src] = {"n": int(len(e)), "median_err_pct": float(e.median()),
                                      "median_abs_err_pct": float(e.abs().median())}
+    out.update(error_summary(ok))
+    out["orderings"] = orderings(ok)
     rep = ok["err_reported_pct"].dropna().astype(float)
     out["reported_only_compared"] = int(len(rep))
     out["reported_only_median_err_pct"] = float(rep.median()) if len(rep) else None
     return out
 
+
+
+MIN_REGIME_ROWS = 3
+"""A regime with fewer scored rows is reported as n/a (None)."""
+
+
+def _abs_errors(frame: pd.DataFrame, column: str) -> pd.Series:
+    return (frame[column].dropna().astype(float) / 100.0).abs()
+
+
+def _figures(frame: pd.DataFrame) -> dict[str, Any]:
+    inside, cv = _abs_errors(frame, "err_tokens_pct"), _abs_errors(frame, "cv_err_tokens_pct")
+    return {
+        "num_rows": int(len(inside)),
+        "in_sample_median_abs_error": float(inside.median()) if len(inside) else None,
+        "in_sample_p90_abs_error": float(inside.quantile(0.9)) if len(inside) else None,
+        "cv_median_abs_error": float(cv.median()) if len(cv) else None,
+        "cv_p90_abs_error": float(cv.quantile(0.9)) if len(cv) else None,
+        "cv_num_rows": int(len(cv)),
+    }
+
+
+def error_summary(ok: pd.DataFrame) -> dict[str, Any]:
+    """Headline errors as fractions, in-sample (the profile's constants) and leave-one-source-
+    out (each row with its fold's constants), overall and per regime
+    (:data:`hzpsim.validation.regimes.REGIMES`; n/a with fewer than 3 rows)."""
+    from hzpsim.validation.regimes import REGIMES
+
+    scored = ok.dropna(subset=["err_tokens_pct"])
+    out = _figures(scored)
+    by_regime: dict[str, Any] = {}
+    for regime in REGIMES:
+        rows = scored[scored["regimes"].fillna("").str.split(", ").apply(lambda rs, r=regime: r in rs)]
+        by_regime[regime] = _figures(rows) if len(rows) >= MIN_REGIME_ROWS else None
+    out["by_regime"] = by_regime
+    return out
+
+
+def orderings(ok: pd.DataFrame) -> list[dict[str, Any]]:
+    """Groups of scored rows that ran the same model on the same cluster (source, model, GPU
+    count and type) with different configurations, and whether the predicted order of their
+    tokens/s per GPU matches the measured one: every pair whose measured throughputs differ
+    by more than 2 % must be predicted in the same order (closer pairs are ties)."""
+    scored = ok.dropna(subset=["err_tokens_pct"])
+    key = scored["label"].str.replace(r"^(S\d+)#\d+ ", r"\1 ", regex=True)
+    out = []
+    for name, grp in scored.groupby(key, sort=True):
+        if len(grp) < 2:
+            continue
+        rows = list(grp.itertuples())
+        pairs = agree = 0
+        for i, a in enumerate(rows):
+            for b in rows[i + 1:]:
+                meas = a.meas_tokens_per_s_per_gpu - b.meas_tokens_per_s_per_gpu
+                if abs(meas) <= 0.02 * max(a.meas_tokens_per_s_per_gpu, b.meas_tokens_per_s_per_gpu):
+                    continue
+                pairs += 1
+                agree += (meas > 0) == (a.pred_tokens_per_s_per_gpu - b.pred_tokens_per_s_per_gpu > 0)
+        out.append({"group": str(name), "rows": [int(r.row) for r in rows], "pairs": pairs, "agree": int(agree),
+                    "matches": agree == pairs})
+    return out

@@ -1,0 +1,87 @@
+"""Kernel shapes a compute op carries, so that the cost model sees what runs, not FLOP totals.
+
+A compute op's GEMMs are kept as :class:`Gemm` shapes (M, N, K and how many times the same
+GEMM runs) and its attention as :class:`Attention` shapes (heads, query and key lengths, head
+dimension, causal or not, forward or backward). Strategies build them in
+``strategies/_model_parallel.py`` from the model's linears (``Model.layer_linears``); the
+simulator times them in ``sim/compute.py``. Sums, scalings and merges keep exact FLOP totals:
+``calls`` is a float, so splitting an op into fractions (context-parallel halves) or merging
+layers only changes counts.
+
+Shapes are plain frozen tuples: an op graph of hundreds of thousands of ops shares them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+
+class Gemm(NamedTuple):
+    """``calls`` GEMMs of an (M×K)·(K×N) product: ``2·M·N·K·calls`` FLOPs."""
+
+    m: float
+    n: float
+    k: float
+    calls: float = 1.0
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.calls
+
+    def backward(self) -> tuple[Gemm, Gemm]:
+        """The data-gradient (M×N)·(N×K) and weight-gradient (K×M)·(M×N) GEMMs of this one."""
+        return Gemm(self.m, self.k, self.n, self.calls), Gemm(self.k, self.n, self.m, self.calls)
+
+
+class Attention(NamedTuple):
+    """``calls`` attention kernel calls, each over ``heads`` (batch × heads of this rank) queries
+    of length ``seq_q`` over ``seq_kv`` keys, head dimensions ``head_dim`` (Q·K) and
+    ``v_head_dim`` (P·V); ``causal`` halves the work; ``kernel`` is the kernel family
+    (``training.attention_kernel``: flash2, flash3, cudnn, triton, or auto = the device's usual
+    one); ``backward`` marks the gradient kernel
+    (2.5× the forward's work in a flash kernel: counted here as 2×, the recomputed scores are
+    the kernel's own overhead and show in its efficiency)."""
+
+    heads: float
+    seq_q: float
+    seq_kv: float
+    head_dim: int
+    v_head_dim: int
+    causal: bool
+    kernel: str = "auto"
+    backward: bool = False
+    calls: float = 1.0
+
+    @property
+    def flops(self) -> float:
+        per_pair = 2.0 * (self.head_dim + self.v_head_dim)
+        flops = self.heads * self.seq_q * self.seq_kv * per_pair * self.calls
+        if self.causal:
+            flops /= 2
+        return 2 * flops if self.backward else flops
+
+
+Shape = Gemm | Attention
+
+
+def scaled(shapes: tuple[Shape, ...], factor: float) -> tuple[Shape, ...]:
+    """Every shape run ``factor`` times as often."""
+    if factor == 1:
+        return shapes
+    return tuple(s._replace(calls=s.calls * factor) for s in shapes)
+
+
+def merged(*groups: Iterable[Shape]) -> tuple[Shape, ...]:
+    """The shapes of several ops run back to back: equal shapes add their counts (order of
+    first appearance kept), so merged layers stay a short tuple."""
+    counts: dict[Shape, float] = {}
+    for group in groups:
+        for s in group:
+            key = s._replace(calls=1.0)
+            counts[key] = counts.get(key, 0.0) + s.calls
+    return tuple(k._replace(calls=c) for k, c in counts.items())
+
+
+def total_flops(shapes: Iterable[Shape], kind: type | None = None) -> float:
+    return sum(s.flops for s in shapes if kind is None or isinstance(s, kind))

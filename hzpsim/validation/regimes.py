@@ -1,0 +1,59 @@
+"""Which regime a published run belongs to, and the runs as calibration measurements.
+
+Regimes (a row can be in a family regime and in ``MoE`` / ``long context`` as well):
+
+* ``Megatron ND`` — ``nd`` rows (Megatron-LM, Megatron-Core/NeMo, torchtitan's ND);
+* ``FSDP/ZeRO-3`` — ``zero`` rows run by PyTorch FSDP (LLM-Foundry, torchtitan FSDP2);
+* ``DeepSpeed ZeRO`` — ``zero``/``zeropp`` rows run by DeepSpeed;
+* ``HSDP`` — ``hsdp`` rows;
+* ``MoE`` — models with routed experts;
+* ``long context`` — context parallelism or sequences of 16k tokens and more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hzpsim.calibrate import Measurement
+from hzpsim.validation.mapping import Case
+
+REGIMES = ("Megatron ND", "FSDP/ZeRO-3", "DeepSpeed ZeRO", "HSDP", "MoE", "long context")
+LONG_CONTEXT_TOKENS = 16384
+
+
+def regimes_of(mapping: dict) -> tuple[str, ...]:
+    from hzpsim.scenario import scenario_from_mapping
+
+    strategy = mapping["strategy"]
+    model = scenario_from_mapping(mapping).model
+    name, impl = strategy["name"], str(strategy.get("implementation", ""))
+    out: list[str] = []
+    if name == "nd":
+        out.append("Megatron ND")
+    elif name == "hsdp":
+        out.append("HSDP")
+    elif name in ("zero", "zeropp", "mics"):
+        out.append("DeepSpeed ZeRO" if impl.startswith("deepspeed") else "FSDP/ZeRO-3")
+    if model.moe is not None:
+        out.append("MoE")
+    if strategy.get("cp", 1) > 1 or model.seq_len >= LONG_CONTEXT_TOKENS:
+        out.append("long context")
+    return tuple(out)
+
+
+def measurements(cases: Iterable[Case]) -> list[Measurement]:
+    """The runnable cases with a measured tokens/s per GPU, as calibration measurements."""
+    out = []
+    from hzpsim.config import ScenarioError
+
+    for case in cases:
+        tps = case.measured.get("tokens_per_s_per_gpu")
+        if not case.runnable or tps is None or case.scenario_mapping is None:
+            continue
+        try:
+            regimes_of(case.scenario_mapping)
+        except ScenarioError:  # an invalid row (validate published lists it)
+            continue
+        out.append(Measurement(case.label, case.source_id, case.scenario_mapping, float(tps),
+                               regimes_of(case.scenario_mapping)))
+    return out

@@ -1,0 +1,180 @@
+"""Kernel shapes on ops and the shape-aware compute model (hzpsim.kernels, sim/compute.py).
+
+The shapes must keep the FLOP totals the model's formulas give (so MFU and HFU do not move),
+and the cost model must show what the device's structure implies: wave quantisation over the
+SMs, slower small tiles, a power cap lowering the clock, attention by kernel family and head
+dimension, and torch.compile fusing pointwise kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hzpsim.calibration import profile as calibration
+from hzpsim.cluster.devices import get_device
+from hzpsim.kernels import Attention, Gemm, merged, scaled, total_flops
+from hzpsim.model import Model
+from hzpsim.planner import run_choice
+from hzpsim.scenario import load_scenario, scenario_from_mapping
+from hzpsim.sim.compute import ATTENTION, ComputeModel, efficiency_for
+from hzpsim.strategies._dims import ParallelDims
+from hzpsim.strategies._layers import Work
+from hzpsim.strategies._model_parallel import mp_units
+from hzpsim.training import Training
+
+
+def test_merging_and_scaling_keep_exact_totals() -> None:
+    a, b = Gemm(4096, 1024, 4096), Gemm(4096, 4096, 1024, 2.0)
+    att = Attention(32, 4096, 4096, 128, 128, True)
+    shapes = (a, b, att, a)
+    assert total_flops(merged(shapes)) == pytest.approx(total_flops(shapes), rel=1e-15)
+    assert len(merged(shapes)) == 3  # the two equal GEMMs became one with calls=2
+    assert total_flops(scaled(shapes, 0.25)) == pytest.approx(total_flops(shapes) / 4, rel=1e-15)
+    dgrad, wgrad = a.backward()
+    assert dgrad.flops + wgrad.flops == 2 * a.flops
+    w = Work.of(shapes, 10.0) + Work.of([att], 5.0)
+    assert w.attention_forward == pytest.approx(2 * att.flops) and w.bytes_accessed == 15.0
+
+
+def _model(**overrides: object) -> Model:
+    base: dict[str, object] = dict(name="t", num_layers=2, hidden_size=4096, num_heads=32, ffn_hidden_size=11008,
+                                   vocab_size=32000, seq_len=4096, mlp="swiglu", num_kv_heads=8)
+    base.update(overrides)
+    return Model(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tp,cp,fused,recompute", [(1, 1, True, "none"), (4, 2, True, "full"), (8, 1, False, "selective")])
+def test_unit_shapes_give_the_model_formula_flops(tp: int, cp: int, fused: bool, recompute: str) -> None:
+    """Per layer: GEMM FLOPs = 2 × active matmul params × local tokens / t, attention FLOPs =
+    layer_forward_flops / (t·c); the backward is twice the forward plus the recompute."""
+    model = _model()
+    training = Training(global_batch_size=64, micro_batch_size=2, flash_attention=fused,
+                        activation_recompute=recompute)  # type: ignore[arg-type]
+    dims = ParallelDims(tp=tp, cp=cp, dp=1, sequence_parallel=tp > 1)
+    unit = mp_units(model, training, dims)[1]
+    tokens = 2 * model.seq_len
+    ref = model.layer_forward_flops(0, tokens, causal=fused)
+    gemm = ref["gemm"] / (tp * cp) + (0.0 if fused else ref["attention"] / (tp * cp))
+    attention = ref["attention"] / (tp * cp) if fused else 0.0
+    forward = unit.pre + unit.remote + unit.post
+    assert forward.gemm == pytest.approx(gemm, rel=1e-12)
+    assert forward.attention_forward == pytest.approx(attention, rel=1e-12)
+    assert total_flops(forward.shapes) == pytest.approx(gemm + attention, rel=1e-12)
+    backward = unit.backward + unit.backward_remote
+    extra = {"none": 0.0, "selective": ref["attention"] / (tp * cp), "full": gemm + attention}[recompute]
+    assert backward.gemm + backward.attention_forward + backward.attention_backward == pytest.approx(
+        2 * (gemm + attention) + extra, rel=1e-12)
+
+
+def test_moe_and_mla_layers_keep_their_flops() -> None:
+    scenario = load_scenario(None, ["model.preset=deepseek-v3", "model.num_layers=4", "model.seq_len=4096",
+                                    "cluster.num_nodes=8", "training.global_batch_size=64",
+                                    "strategy.name=nd", "strategy.tp=2", "strategy.pp=1", "strategy.ep=8",
+                                    "strategy.sequence_parallel=true"])
+    model = scenario.model
+    training = scenario.training
+    dims = ParallelDims(tp=2, dp=32, ep=8, sequence_parallel=True)
+    for i, unit in enumerate(mp_units(model, training, dims)[1:-1]):
+        tokens = training.micro_batch_size * model.seq_len
+        ref = model.layer_forward_flops(i, tokens)
+        forward = unit.pre + unit.post
+        assert forward.attention_forward == pytest.approx(ref["attention"] / 2, rel=1e-12)
+        if not model.is_moe_layer(i):
+            assert forward.gemm == pytest.approx(ref["gemm"] / 2, rel=1e-12)
+
+
+def _a100() -> ComputeModel:
+    return ComputeModel(get_device("a100-80gb"), "bf16")
+
+
+def test_large_square_gemm_runs_at_the_sm_efficiency() -> None:
+    """A GEMM of many waves sustains the fitted per-SM rate: the MAMF measurement it comes from."""
+    cm = _a100()
+    m = n = k = 8192
+    achieved = 2.0 * m * n * k / cm.gemm_s(m, n, k) / get_device("a100-80gb").peak_bf16_flops_per_s
+    assert achieved == pytest.approx(efficiency_for(get_device("a100-80gb")).gemm, rel=0.03)
+
+
+def test_wave_quantisation_one_tile_too_many_costs_a_wave() -> None:
+    """108 SMs: 108 tiles of 256×128 fill one wave; 109 need a second wave (or smaller,
+    slower tiles), so the time per FLOP jumps (NVIDIA matmul guide, wave quantisation)."""
+    cm = _a100()
+    k = 8192
+    full = cm.gemm_s(256 * 108, 128, k) / (256 * 108)
+    over = cm.gemm_s(256 * 109, 128, k) / (256 * 109)
+    assert over > 1.15 * full
+
+
+def test_skinny_gemm_runs_far_below_peak_and_never_beats_memory() -> None:
+    """A router-like GEMM (N = 8 experts) reads the whole activation for few FLOPs: at best
+    its HBM traffic, and far below the tensor peak (the 64-wide tiles are mostly padding)."""
+    cm = _a100()
+    m, n, k = 16384, 8, 4096
+    memory_s = (m * k + k * n + m * n) * 2 / (get_device("a100-80gb").memory_bytes_per_s * cm.efficiency.hbm)
+    seconds = cm.gemm_s(m, n, k)
+    assert memory_s <= seconds < 2 * memory_s
+    assert 2.0 * m * n * k / seconds < 0.05 * get_device("a100-80gb").peak_bf16_flops_per_s
+
+
+def test_power_cap_slows_compute_by_the_cube_root() -> None:
+    device = get_device("h100-sxm")
+    from dataclasses import replace
+    capped = replace(device, power_limit_w=500.0)
+    full, slow = ComputeModel(device, "bf16"), ComputeModel(capped, "bf16")
+    ratio = slow.gemm_s(8192, 8192, 8192) / full.gemm_s(8192, 8192, 8192)
+    assert ratio == pytest.approx((700 / 500) ** (1 / 3), rel=1e-6)
+
+
+def test_attention_by_family_and_head_dim() -> None:
+    cm = ComputeModel(get_device("h100-sxm"), "bf16")
+
+    def tflops(kernel: str, d: int) -> float:
+        a = Attention(64, 8192, 8192, d, d, True, kernel)
+        return a.flops / cm.attention_s(a) / 1e12
+
+    fraction = calibration.active()["attention_kernel_fraction"]
+    for family in ("flash2", "flash3", "cudnn"):
+        assert tflops(family, 64) < tflops(family, 128)
+    assert tflops("flash3", 128) > tflops("cudnn", 128) > tflops("flash2", 128)
+    # the FA3 paper's FA2 figure at 8k keys, head dim 128: 370 TFLOP/s (times the fitted fraction)
+    assert tflops("flash2", 128) == pytest.approx(370 * fraction * 8192 / 8292, rel=1e-6)
+    assert tflops("auto", 128) == tflops("flash2", 128)
+    devices_with_kernels = {("a100" if "a100" in d else "h100", k) for d in ("a100-80gb", "h100-sxm")
+                            for k in get_device(d).attention_kernels}
+    assert devices_with_kernels == set(ATTENTION), "every kernel a device offers has a measured speed"
+
+
+def _run(overrides: list[str]) -> dict:
+    scenario = load_scenario(None, ["model.preset=llama3-8b", "cluster.num_nodes=1", "training.global_batch_size=16",
+                                    "training.micro_batch_size=2", "strategy.name=zero", "strategy.stage=3",
+                                    "model.seq_len=4096", *overrides])
+    return run_choice(scenario, scenario.strategies[0])
+
+
+@pytest.mark.slow
+def test_compile_fuses_pointwise_kernels_and_is_faster() -> None:
+    eager, compiled = _run([]), _run(["training.compile=true"])
+    assert compiled["step_time_s"] < eager["step_time_s"]
+    assert compiled["mfu"] > eager["mfu"]
+
+
+def test_power_limit_is_a_cluster_field_and_checked() -> None:
+    base = {"model": {"preset": "llama3-8b"}, "training": {"global_batch_size": 16},
+            "strategy": {"name": "zero", "stage": 3}}
+    capped = scenario_from_mapping({**base, "cluster": {"device": "h100-sxm", "device_power_limit_w": 500}})
+    assert capped.topology.device.sustained_clock_fraction == pytest.approx((500 / 700) ** (1 / 3))
+    from hzpsim.config import ScenarioError
+    with pytest.raises(ScenarioError, match="device_power_limit_w"):
+        scenario_from_mapping({**base, "cluster": {"device": "h100-sxm", "device_power_limit_w": -5}})
+    with pytest.raises(ScenarioError, match="device_power_limit_w"):
+        scenario_from_mapping({**base, "cluster": {"device": "cpu-local", "device_power_limit_w": 100}})
+    with pytest.raises(ScenarioError, match="training.attention_kernel"):
+        scenario_from_mapping({**base, "cluster": {"device": "a100-80gb"},
+                               "training": {"global_batch_size": 16, "attention_kernel": "flash3"}})
+    with pytest.raises(ScenarioError, match="attention_kernel"):
+        scenario_from_mapping({**base, "cluster": {"device": "h100-sxm"},
+                               "training": {"global_batch_size": 16, "flash_attention": False,
+                                            "attention_kernel": "cudnn"}})
+    assert not math.isnan(capped.topology.device.peak_bf16_flops_per_s)

@@ -87,6 +87,12 @@ class Engine:
         self._running: dict[int, list[_Running]] = {r: [] for r in graph.weights}
         self.num_finished = 0
         self.stragglers = Stragglers(topology.spec.variability, topology.spec.variability_seed)
+        # explicit stragglers (cluster.stragglers): the strategy simulated each straggler's class
+        # explicitly and says how much slower its device compute runs (graph meta
+        # ``compute_slowdown``: [[rank, factor], ...]); a collective over a slow NIC moves its
+        # inter-node bytes slower (topology.link_bandwidth_factor of its group)
+        self._compute_slowdown = {int(r): float(f) for r, f in graph.meta.get("compute_slowdown", ())}
+        self._link_factor: dict[str, float] = {}
         # rank -> (time of a rendezvous, how late its slowest member was): the rank's next device
         # compute waits for that member unless it already waited at least as long for its inputs
         self._straggler: dict[int, tuple[float, float]] = {}
@@ -144,7 +150,7 @@ class Engine:
                 if self.slowdown and device:  # fixed (host) time is not slowed
                     yield self._start_slowable(op)
                 else:
-                    yield self.env.timeout(self.compute_model.duration_s(op))
+                    yield self.env.timeout(self._duration_s(op, device))
                 if device and self.stragglers.cv > 0:  # device work: what a straggler falls behind on
                     self.stragglers.worked(op.ranks[0], self.env.now - self.start_s[op.id])
                 self._finish(op)
@@ -162,9 +168,16 @@ class Engine:
     def _rate(self, rank: int) -> float:
         return 1.0 / (1.0 + self.slowdown) if self._talking[rank] else 1.0
 
+    def _duration_s(self, op: Op, device: bool) -> float:
+        """Time of a compute op alone on its rank: an explicit straggler's device work is slower."""
+        seconds = self.compute_model.duration_s(op)
+        if device and self._compute_slowdown:
+            seconds *= self._compute_slowdown.get(op.ranks[0], 1.0)
+        return seconds
+
     def _start_slowable(self, op: Op) -> simpy.Event:
         rank = op.ranks[0]
-        job = _Running(op, self.compute_model.duration_s(op), self._rate(rank), self.env.now, self.env.event())
+        job = _Running(op, self._duration_s(op, True), self._rate(rank), self.env.now, self.env.event())
         self._running[rank].append(job)
         self._schedule(job)
         return job.done
@@ -209,6 +222,11 @@ class Engine:
             src, dst = self.graph.groups[op.group][:2]
             pair_level = self.topology.level_between(src, dst)
         plan = self.collective_model.plan(op.collective, op.size_bytes, self.spans[op.group], pair_level)
+        link_factor = self._link_factor.get(op.group)
+        if link_factor is None:
+            link_factor = self._link_factor[op.group] = self.topology.link_bandwidth_factor(self.graph.groups[op.group])
+        if link_factor != 1.0:
+            plan = self.collective_model.on_slow_links(plan, link_factor)
         if op.count != 1:
             plan = plan.repeated(op.count)
         late_s = 0.0

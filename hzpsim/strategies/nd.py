@@ -182,19 +182,42 @@ def _sharding_sizes(zero_stage: int, n: int) -> tuple[int, int, int]:
     return {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[zero_stage]
 
 
+def _simulated_lanes(lay: Layout, topology: Topology, expand: bool,
+                     ) -> tuple[list[list[int]], dict[int, int], dict[int, float]]:
+    """Simulated ranks of each pipeline stage, the devices each stands for, and the compute
+    slowdown of the slow ones. Every device under ``expand``; else one pipeline (data-parallel
+    index 0) for everyone, plus the whole pipeline of each explicit straggler's class
+    (:meth:`~hzpsim.cluster.topology.Topology.straggler_lanes`: a slow stage slows its own
+    pipeline through the point-to-point sends, and the others at the data-parallel reduction)."""
+    d, placement, n = lay.dims, lay.placement, topology.num_devices
+    if expand:
+        slow = {r: f for r in topology.stragglers if (f := topology.compute_slowdown(r)) != 1.0}
+        stage_lanes = [sorted(r for r in range(n) if placement.coord(r)["pp"] == s) for s in range(d.pp)]
+        return stage_lanes, {r: 1 for lanes in stage_lanes for r in lanes}, slow
+    slow = topology.straggler_lanes(placement)
+    pipelines = sorted({placement.coord(r)["dp"] for r in slow})
+    rep = next((k for k in range(lay.dp) if k not in pipelines), None)
+    stride = d.tp * d.cp
+    weights: dict[int, int] = {}
+    stage_lanes = []
+    for s in range(d.pp):
+        lanes = [placement.rank(tp=0, cp=0, dp=k, pp=s) for k in sorted({*pipelines, *([] if rep is None else [rep])})]
+        weights.update((r, stride) for r in lanes)
+        if rep is not None:
+            weights[placement.rank(tp=0, cp=0, dp=rep, pp=s)] = n // d.pp - stride * len(pipelines)
+        stage_lanes.append(lanes)
+    return stage_lanes, weights, slow
+
+
 def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
     lay = layout(config, model, training, topology)
     d, n, m = lay.dims, topology.num_devices, lay.num_micro_batches
-    placement = lay.placement
-    stage_lanes = [
-        sorted(r for r in range(n) if placement.coord(r)["pp"] == s) if expand
-        else [placement.rank(tp=0, cp=0, dp=0, pp=s)]
-        for s in range(d.pp)
-    ]
-    weights = {r: (1 if expand else n // d.pp) for lanes in stage_lanes for r in lanes}
+    stage_lanes, weights, slow = _simulated_lanes(lay, topology, expand)
+    factors = [[r, f] for r, f in sorted(slow.items()) if f != 1.0]
     graph = OpGraph(n, weights, training.precision,
                     meta={"pp": d.pp, "vpp": d.vpp, "tp": d.tp, "dp": lay.dp, "cp": d.cp, "ep": d.ep,
-                          "num_micro_batches": m, "layers_per_virtual_stage": list(lay.layers_per_virtual_stage)})
+                          "num_micro_batches": m, "layers_per_virtual_stage": list(lay.layers_per_virtual_stage),
+                          **({"compute_slowdown": factors} if factors else {})})
     units = mp_units(model, training, d)
     # units of each virtual stage: embedding on the first, head on the last
     bounds: list[list[int]] = []

@@ -329,15 +329,31 @@ class _Stage:
             placement = self.lay.placement  # previous one ends on the last rank)
             wrap = 0 if forward else self.p - 1
             target = {r: placement.rank(**{**placement.coord(r), "pp": wrap}) for r in self.lanes}
+        # Megatron 2021 (implementation sync_after_p2p): the send is one host call, after which
+        # the host synchronises with the device (p2p_communication.py::_communicate)
+        synced = self.emit.implementation.sync_after_p2p
+        launch = self.emit.host(f"call.send.{direction}", self.emit.implementation.call_host_s(1, 2), step) \
+            if synced else None
         ids: Ids = {}
+        sent: Ids = {}
         for lane, peer in target.items():
             group = self.graph.add_group(f"p2p.{lane}.{peer}", (lane, peer))
             op = self.graph.collective("send_recv", group, [lane], size, f"send.{direction}.vs{vs}.mb{mb}", "pp",
-                                       f"pp_{'fwd' if forward else 'bwd'}", [deps[lane]], step=step)
-            ids[peer] = op
+                                       f"pp_{'fwd' if forward else 'bwd'}",
+                                       [deps[lane], launch[lane] if launch else None], step=step)
+            ids[peer] = sent[lane] = op
         sends[(direction, vs, mb)] = ids
+        if synced:
+            self.emit.host(f"sync.send.{direction}", 0.0, step, sync=[sent, self.emit.last_compute])
+
+    def _received(self, incoming: Ids | None, step: int) -> None:
+        """Megatron 2021 synchronises after each receive too: the host launches the pass that
+        uses it only once it arrived (p2p_communication.py::_communicate)."""
+        if incoming and self.emit.implementation.sync_after_p2p:
+            self.emit.host("sync.recv", 0.0, step, sync=[incoming])
 
     def _forward(self, step: int, c: int, mb: int, vs: int, incoming: Ids | None, sends) -> None:
+        self._received(incoming, step)
         last: Ids | None = incoming
         merged = self.merged[c]
         if merged is not None and mb > 0:
@@ -354,6 +370,7 @@ class _Stage:
             self._send("F", vs, mb, step, self.units[self.chunks[c][-1]].p2p_bytes, last, sends)
 
     def _backward(self, step: int, c: int, mb: int, vs: int, incoming: Ids | None, sends) -> None:
+        self._received(incoming, step)
         last: Ids | None = incoming
         merged = self.merged[c]
         if merged is not None and mb < self.m - 1:

@@ -217,3 +217,37 @@ def test_chrome_trace_has_every_stage_and_stream(tmp_path):
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 4}  # the two stage representatives
     assert {"compute", "pp_fwd"} <= {e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_megatron_2021_synchronises_after_every_pipeline_send_and_receive():
+    """NVIDIA/Megatron-LM@v2.5 megatron/p2p_communication.py::_communicate issues each
+    pipeline exchange as one batch_isend_irecv call, waits on its requests, then calls
+    torch.cuda.synchronize() ("To protect against race condition when using
+    batch_isend_irecv()"). So on every stage of a 1F1B pipeline without interleaving, each send
+    (m forward ones except on the last stage, m backward ones except on the first) is launched
+    by a host call and followed by a host op that waits for it and for the device, and each
+    pass that receives (m forwards except on the first stage, m backwards except on the last)
+    is launched only after a host op that waits for the receive. megatron-core has none."""
+    p, m = 4, 8
+    strategy = {"tp": 2, "pp": p, "implementation": "megatron-2021"}
+    sc = scenario(strategy, nodes=1, global_batch_size=m, micro_batch_size=1)  # dp = 8 / (2 x 4) = 1
+    graph, trace = trace_of(sc)
+    steps = sc.training.num_steps
+    by_rank = {r: [op for op in graph.ops if op.ranks[0] == r] for r in graph.ranks}
+    for s, rank in enumerate(graph.ranks):
+        ops = by_rank[rank]
+        sends = [op for op in ops if op.collective == "send_recv"]
+        syncs = [op for op in ops if op.name.startswith("host.sync.send")]
+        calls = [op for op in ops if op.name.startswith("host.call.send")]
+        receives = [op for op in ops if op.name == "host.sync.recv"]
+        expected = steps * ((m if s < p - 1 else 0) + (m if s > 0 else 0))
+        assert len(sends) == len(syncs) == len(calls) == len(receives) == expected
+        for send, sync, call in zip(sends, syncs, calls):
+            assert call.id in send.deps and send.id in sync.deps
+            assert trace.end_s[sync.id] >= trace.end_s[send.id]
+        for sync in receives:
+            (received,) = sync.deps
+            assert trace.start_s[sync.id] >= trace.end_s[received]
+    core, _ = trace_of(scenario({**strategy, "implementation": "megatron-core"}, nodes=1,
+                                global_batch_size=m, micro_batch_size=1))
+    assert not [op for op in core.ops if "sync" in op.name or op.name.startswith("host.call.send")]

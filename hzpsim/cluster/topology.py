@@ -74,6 +74,44 @@ _LATENCY_FIELDS = ("intra_node_latency_s", "inter_island_latency_s", "inter_node
 
 
 @dataclass(frozen=True)
+class Straggler:
+    """One explicit straggler what-if of ``cluster.stragglers`` (exactly one of ``node`` and
+    ``device``; at least one factor besides 1).
+
+    * ``node`` — a node index (0 ≤ node < ``num_nodes``): every device of that node.
+    * ``device`` — a global rank (0 ≤ device < devices; node-major, as in :class:`Topology`).
+    * ``compute_slowdown`` — the device's kernels take this many times as long (ratio > 0;
+      1 = as fast as the others, 1.5 = a device 1.5× slower: thermal throttling, a bad HBM
+      stack, a noisy neighbour on the host).
+    * ``link_bandwidth_factor`` — the device's NIC (every NIC of the node) moves this fraction of
+      its bandwidth (ratio > 0; 1 = nominal, 0.5 = a link trained at half rate or congested).
+      A collective whose group includes the device moves its inter-node bytes that much slower
+      (a ring or tree is paced by its slowest link).
+
+    Several entries naming the same device multiply (a slow device on a slow node).
+    """
+
+    node: int | None = None
+    device: int | None = None
+    compute_slowdown: float = 1.0
+    link_bandwidth_factor: float = 1.0
+
+    def validate(self) -> None:
+        if (self.node is None) == (self.device is None):
+            raise ValueError("node: give exactly one of 'node' and 'device'")
+        for name in ("node", "device"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
+                raise ValueError(f"{name}: must be an integer >= 0, got {v!r}")
+        for name in ("compute_slowdown", "link_bandwidth_factor"):
+            v = getattr(self, name)
+            if not (_is_number(v) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name}: must be a finite factor > 0, got {v!r}")
+        if self.compute_slowdown == 1 and self.link_bandwidth_factor == 1:
+            raise ValueError("compute_slowdown: a straggler needs compute_slowdown or link_bandwidth_factor != 1")
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     """The ``cluster:`` mapping of a scenario. Every ``None`` means "from the preset".
 
@@ -106,6 +144,10 @@ class ClusterSpec:
       (0 ≤ cv < 1; ``None`` → the preset's, else ``DEFAULT_VARIABILITY``); a collective over N
       ranks waits for the slowest of N draws. 0 switches it off.
     * ``variability_seed`` — seed of the draws under ``--expand`` (count ≥ 0; 0).
+    * ``stragglers`` — explicit what-ifs (list of :class:`Straggler`; none): a slow device
+      (``{device: 17, compute_slowdown: 1.5}``), a slow node (``{node: 3, compute_slowdown:
+      1.2}``), a slow link (``{node: 5, link_bandwidth_factor: 0.5}``). Deterministic, on top
+      of ``variability``; the strategies simulate the straggler's class explicitly.
     """
 
     preset: str | None = None
@@ -128,6 +170,7 @@ class ClusterSpec:
     device_power_limit_w: float | None = None  # power cap of each device (W); None = its TDP
     variability: float | None = None  # cv of per-rank time between synchronisations; None = default
     variability_seed: int | None = None  # seed of the sampled draws under --expand; None = 0
+    stragglers: tuple[Straggler, ...] = ()  # explicit slow devices, nodes and links; none by default
 
     def validate(self) -> None:
         """Check the fields that are set; raise ``ValueError("<field>: <problem>")``."""
@@ -176,6 +219,16 @@ class ClusterSpec:
         if v is not None and not (_is_number(v) and v >= 1 and math.isfinite(v)):
             raise ValueError(f"spine_oversubscription: must be a finite ratio >= 1, got {v!r}")
         _check_islands_divide(self.gpus_per_node, self.islands_per_node)
+        for i, straggler in enumerate(self.stragglers):
+            if not isinstance(straggler, Straggler):
+                raise ValueError(f"stragglers[{i}]: expected a mapping, got {straggler!r}")
+            try:
+                straggler.validate()
+            except ValueError as exc:
+                raise ValueError(f"stragglers[{i}].{exc}") from None
+            if straggler.node is not None and straggler.node >= self.num_nodes:
+                raise ValueError(f"stragglers[{i}].node: {straggler.node} out of range [0, {self.num_nodes}) "
+                                 f"(num_nodes = {self.num_nodes})")
 
     def resolved(self) -> ResolvedCluster:
         """Every ``None`` filled from the preset (or the device's usual fabric).
@@ -234,8 +287,13 @@ class ClusterSpec:
         missing = [k for k, v in values.items() if v is None]
         if missing:
             raise ValueError(f"{missing[0]}: not set and preset {base_name!r} has no default")
+        devices = values["num_nodes"] * values["gpus_per_node"]
+        for i, straggler in enumerate(values["stragglers"]):
+            if straggler.device is not None and straggler.device >= devices:
+                raise ValueError(f"stragglers[{i}].device: {straggler.device} out of range [0, {devices}) "
+                                 f"({values['num_nodes']} nodes x {values['gpus_per_node']} devices)")
         typed: dict[str, Any] = {  # plain int / float, whatever numbers the spec was built with
-            k: v if isinstance(v, str) else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
+            k: v if isinstance(v, (str, tuple)) else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
             for k, v in values.items()
         }
         return ResolvedCluster(**typed, device_overrides=calibration_overrides(typed["device"]))
@@ -298,6 +356,8 @@ class ResolvedCluster:
     """Coefficient of variation of a rank's time between synchronisations (0 = off)."""
     variability_seed: int
     """Seed of the sampled draws under ``--expand``."""
+    stragglers: tuple[Straggler, ...] = ()
+    """Explicit slow devices, nodes and links (validated, in range)."""
     device_overrides: tuple[tuple[str, float], ...] = ()
     """Measured device rates (field, value) from ``hzpsim calibrate machine``, read at load."""
 
@@ -407,6 +467,52 @@ class Topology:
             ),
         }
         self._span_cache: dict[tuple[int, ...] | range, GroupSpan] = {}
+        # explicit stragglers per device: (compute slowdown, NIC bandwidth factor); entries
+        # naming the same device multiply
+        self.stragglers: dict[int, tuple[float, float]] = {}
+        for straggler in spec.stragglers:
+            if straggler.node is not None:
+                first = straggler.node * self.devices_per_node
+                devices: Sequence[int] = range(first, first + self.devices_per_node)
+            else:
+                assert straggler.device is not None
+                devices = (straggler.device,)
+            for d in devices:
+                compute, link = self.stragglers.get(d, (1.0, 1.0))
+                self.stragglers[d] = (compute * straggler.compute_slowdown, link * straggler.link_bandwidth_factor)
+        self._link_factors = {d: link for d, (_, link) in sorted(self.stragglers.items()) if link != 1.0}
+
+    def compute_slowdown(self, rank: int) -> float:
+        """How many times as long device ``rank``'s kernels take (1 unless a straggler)."""
+        return self.stragglers.get(rank, (1.0, 1.0))[0]
+
+    def link_bandwidth_factor(self, ranks: Sequence[int] | range) -> float:
+        """Fraction of its inter-node bandwidth a collective over ``ranks`` achieves: that of
+        its slowest member's NIC (a ring or tree moves at the pace of its slowest link)."""
+        if not self._link_factors:
+            return 1.0
+        return min([f for d, f in self._link_factors.items() if d in ranks], default=1.0)
+
+    def straggler_lanes(self, placement: Any, collapse: Sequence[str] = ("tp", "cp")) -> dict[int, float]:
+        """The simulated rank of every straggler's class and its compute slowdown.
+
+        A symmetric simulation stands one rank for many devices, so a straggler (slow compute or
+        a slow link) must be simulated explicitly. Its model-parallel group (the ``collapse``
+        dimensions of ``placement``, TP × CP) synchronises every layer, so the whole group runs
+        at the pace of its slowest member: the class is simulated by the group's first member
+        (``collapse`` coordinates 0), slowed by the largest slowdown in the group (1 for a link
+        straggler alone). That rank shares its data-parallel groups with the other simulated
+        ranks, so their collectives wait for it. ``placement`` is a
+        :class:`~hzpsim.cluster.placement.Placement`.
+        """
+        members: dict[int, list[float]] = {}
+        for device in sorted(self.stragglers):
+            coord = placement.coord(device)
+            lane = placement.rank(**{**coord, **{d: 0 for d in collapse if d in coord}})
+            members.setdefault(lane, []).append(self.compute_slowdown(device))
+        size = math.prod(placement.size(d) for d in collapse if d in placement.names)
+        # members of the group not listed run at 1
+        return {lane: max(f) if len(f) == size else max(1.0, *f) for lane, f in members.items()}
 
     def __repr__(self) -> str:
         return (

@@ -115,6 +115,16 @@ class CollectiveModel:
     def plan(self, kind: str, size_bytes: float, span: GroupSpan, pair_level: str | None = None) -> CollectivePlan:
         return self._plan(kind, float(size_bytes), span, pair_level)
 
+    def on_slow_links(self, plan: CollectivePlan, factor: float) -> CollectivePlan:
+        """``plan`` when the group's slowest NIC moves ``factor`` of its bandwidth (an explicit
+        straggler link, ``cluster.stragglers``): a ring or tree is paced by its slowest link, so
+        the bytes crossing nodes take 1/``factor`` as long. NCCL's tuner does not know the link
+        is slow, so the algorithm and protocol stay those of the nominal plan."""
+        demand = {lvl: b / factor if lvl in INTER_NODE_LEVELS else b for lvl, b in plan.demand_by_level.items()}
+        bw_time = max((b / self.bandwidth(lvl) for lvl, b in demand.items()), default=0.0)
+        return CollectivePlan(plan.algorithm, plan.protocol, plan.latency_s, dict(plan.bytes_by_level), demand,
+                              plan.latency_s + bw_time)
+
     # ------------------------------------------------------------------ internals
 
     def _step_latency_s(self, algo: str, proto: int, level: str) -> float:

@@ -87,6 +87,12 @@ class Engine:
         self._running: dict[int, list[_Running]] = {r: [] for r in graph.weights}
         self.num_finished = 0
         self.stragglers = Stragglers(topology.spec.variability, topology.spec.variability_seed)
+        # explicit stragglers (cluster.stragglers): the strategy simulated each straggler's class
+        # explicitly and says how much slower its device compute runs (graph meta
+        # ``compute_slowdown``: [[rank, factor], ...]); a collective over a slow NIC moves its
+        # inter-node bytes slower (topology.link_bandwidth_factor of its group)
+        self._compute_slowdown = {int(r): float(f) for r, f in graph.meta.get("compute_slowdown", ())}
+        self._plans: dict[tuple, tuple[CollectivePlan, int, bool]] = {}  # see _plan
         # rank -> (time of a rendezvous, how late its slowest member was): the rank's next device
         # compute waits for that member unless it already waited at least as long for its inputs
         self._straggler: dict[int, tuple[float, float]] = {}
@@ -144,7 +150,7 @@ class Engine:
                 if self.slowdown and device:  # fixed (host) time is not slowed
                     yield self._start_slowable(op)
                 else:
-                    yield self.env.timeout(self.compute_model.duration_s(op))
+                    yield self.env.timeout(self._duration_s(op, device))
                 if device and self.stragglers.cv > 0:  # device work: what a straggler falls behind on
                     self.stragglers.worked(op.ranks[0], self.env.now - self.start_s[op.id])
                 self._finish(op)
@@ -162,9 +168,16 @@ class Engine:
     def _rate(self, rank: int) -> float:
         return 1.0 / (1.0 + self.slowdown) if self._talking[rank] else 1.0
 
+    def _duration_s(self, op: Op, device: bool) -> float:
+        """Time of a compute op alone on its rank: an explicit straggler's device work is slower."""
+        seconds = self.compute_model.duration_s(op)
+        if device and self._compute_slowdown:
+            seconds *= self._compute_slowdown.get(op.ranks[0], 1.0)
+        return seconds
+
     def _start_slowable(self, op: Op) -> simpy.Event:
         rank = op.ranks[0]
-        job = _Running(op, self.compute_model.duration_s(op), self._rate(rank), self.env.now, self.env.event())
+        job = _Running(op, self._duration_s(op, True), self._rate(rank), self.env.now, self.env.event())
         self._running[rank].append(job)
         self._schedule(job)
         return job.done
@@ -198,40 +211,62 @@ class Engine:
     def _collective(self, op: Op) -> None:
         """All participants have arrived: pay the latency, then move the bytes (callbacks, not
         a process: collectives are the most frequent events)."""
-        self.start_s[op.id] = self.env.now
+        now = self.env.now
+        self.start_s[op.id] = now
         if self.slowdown:
             self._talk(op, +1)
         if op.alloc:
             self._memory(op, op.alloc, 1.0)
+        key = (op.group, op.collective, op.size_bytes, op.count, len(op.ranks))
+        cached = self._plans.get(key)
+        if cached is None:
+            cached = self._plans[key] = self._plan(op)
+        plan, size, sampled = cached
+        late_s = 0.0
+        if size:
+            # the slowest member arrives late and every ring step waits for the slowest transfer
+            # (sim/variability.py): the collective completes later, and the group's next device
+            # compute cannot start before its slowest member arrived
+            late_s = self.stragglers.delay_s(op.ranks, size, sampled)
+            if sampled:
+                plan = plan.stretched(self.stragglers.stretch(len(op.ranks), size, sampled))
+        self.plans[op.id] = plan
+        wait_s = plan.latency_s
+        if late_s > 0:
+            wait_s += late_s
+            straggler = self._straggler
+            for rank in op.ranks:
+                if late_s > straggler.get(rank, (0.0, 0.0))[1]:
+                    straggler[rank] = (now, late_s)
+        if wait_s > 0:
+            timer = self.env.timeout(wait_s)
+            timer.callbacks.append(lambda _event: self._transfer(op, plan))
+        else:
+            self._transfer(op, plan)
+
+    def _plan(self, op: Op) -> tuple[CollectivePlan, int, bool]:
+        """The plan of a collective like ``op`` (same group, kind, size, count and participants),
+        the group size whose slowest member it waits for (0: no variability) and whether that
+        wait is sampled (every member simulated on its own) rather than its expectation. Only
+        a sampled plan still needs its draw of the stretch."""
         assert op.group is not None and op.collective is not None
         pair_level = None
         if op.collective == "send_recv":
             src, dst = self.graph.groups[op.group][:2]
             pair_level = self.topology.level_between(src, dst)
         plan = self.collective_model.plan(op.collective, op.size_bytes, self.spans[op.group], pair_level)
+        link_factor = self.topology.link_bandwidth_factor(self.graph.groups[op.group])
+        if link_factor != 1.0:
+            plan = self.collective_model.on_slow_links(plan, link_factor)
         if op.count != 1:
             plan = plan.repeated(op.count)
-        late_s = 0.0
-        if op.collective != "send_recv" and self.stragglers.cv > 0:
-            # the slowest member arrives late and every ring step waits for the slowest transfer
-            # (sim/variability.py): the collective completes later, and the group's next device
-            # compute cannot start before its slowest member arrived
-            size = self.spans[op.group].num_ranks
-            sampled = len(op.ranks) == size and all(self.graph.weights[r] == 1 for r in op.ranks)
-            late_s = self.stragglers.delay_s(op.ranks, size, sampled)
+        if op.collective == "send_recv" or self.stragglers.cv <= 0:
+            return plan, 0, False
+        size = self.spans[op.group].num_ranks
+        sampled = len(op.ranks) == size and all(self.graph.weights[r] == 1 for r in op.ranks)
+        if not sampled:
             plan = plan.stretched(self.stragglers.stretch(len(op.ranks), size, sampled))
-        self.plans[op.id] = plan
-        wait_s = plan.latency_s
-        if late_s > 0:
-            wait_s += late_s
-            for rank in op.ranks:
-                if late_s > self._straggler.get(rank, (0.0, 0.0))[1]:
-                    self._straggler[rank] = (self.env.now, late_s)
-        if wait_s > 0:
-            timer = self.env.timeout(wait_s)
-            timer.callbacks.append(lambda _event: self._transfer(op, plan))
-        else:
-            self._transfer(op, plan)
+        return plan, size, sampled
 
     def _transfer(self, op: Op, plan: CollectivePlan) -> None:
         if not plan.demand_by_level:

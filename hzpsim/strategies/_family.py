@@ -77,10 +77,9 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
     dp = dims.data_parallel(n)
     placement = Placement.from_sizes(n, order=("tp", "cp", "dp"), tp=dims.tp, cp=dims.cp, dp=dp)
     experts = expert_placement(n, dims.ep, dims.etp)
-    lanes = list(range(n)) if expand else [0]
-    weights = {r: 1 for r in lanes} if expand else {0: n}
+    lanes, weights, slow = simulated_lanes(topology, placement, expand)
     graph = OpGraph(n, weights, training.precision, meta={"pp": 1, "dp": dp, "tp": dims.tp, "cp": dims.cp,
-                                                            "ep": dims.ep, **(meta or {})})
+                                                            "ep": dims.ep, **(meta or {}), **slow})
     m = dims.num_micro_batches(training, n)
     units = mp_units(model, training, dims)
     emit = Emitter(graph, lanes, plan.schedule.implementation)
@@ -98,6 +97,28 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
         norm = grad_norm(emit, range(n), unit_pass.reduce(step, last), step)
         unit_pass.optimize(step, norm)
     return graph
+
+
+def simulated_lanes(topology: Topology, placement: Placement, expand: bool,
+                    ) -> tuple[list[int], dict[int, int], dict[str, list[list[float]]]]:
+    """Simulated ranks, the devices each stands for, and the graph's ``compute_slowdown`` meta
+    (``[[rank, factor], ...]``, read by the engine): every device under ``expand``; else rank 0
+    for everyone, plus each explicit straggler's data-parallel class
+    (:meth:`~hzpsim.cluster.topology.Topology.straggler_lanes`)."""
+    n = topology.num_devices
+    if expand:
+        slow = {d: f for d in topology.stragglers if (f := topology.compute_slowdown(d)) != 1.0}
+        lanes, weights = list(range(n)), dict.fromkeys(range(n), 1)
+    else:
+        slow = topology.straggler_lanes(placement)
+        stride = placement.size("tp") * placement.size("cp")
+        rep = next((r for r in range(0, n, stride) if r not in slow), None)
+        weights = dict.fromkeys(slow, stride)
+        if rep is not None:
+            weights[rep] = n - stride * len(slow)
+        lanes = sorted(weights)
+    factors = [[r, f] for r, f in sorted(slow.items()) if f != 1.0]
+    return lanes, weights, {"compute_slowdown": factors} if factors else {}
 
 
 def level_group_sizes(topology: Topology, dims: ParallelDims = NO_MODEL_PARALLELISM) -> dict[str, int]:

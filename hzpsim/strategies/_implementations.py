@@ -77,6 +77,9 @@ class Implementation:
     gather never overlaps compute that came before it."""
     sync_after_reduce: bool = False
     """The host waits for each gradient reduction before launching more work."""
+    sync_after_p2p: bool = False
+    """Each pipeline send and receive is one host call followed by ``torch.cuda.synchronize()``
+    (Megatron 2021's ``_communicate``): the host launches nothing more until it completed."""
     copy_bytes_per_gathered_byte: float = 0.0
     """Device copies around a gather (FSDP2 copy-in of the shard and copy-out of the unit)."""
     max_prefetch_depth: int = 8
@@ -198,9 +201,11 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "megatron-2021": Implementation(
         name="megatron-2021", collective_call_s=COLLECTIVE_CALL_2021_S, grad_reduce_overlap=False,
-        whole_buffer_step_reduce=True,
+        whole_buffer_step_reduce=True, sync_after_p2p=True,
         source=f"{_MEG}@v2.5:megatron/model/distributed.py::DistributedDataParallel.allreduce_gradients "
                "(one all-reduce of the whole fp32 gradient buffer after the backward), "
+               "megatron/p2p_communication.py::_communicate (batch_isend_irecv, req.wait(), then "
+               "torch.cuda.synchronize() after every pipeline send/receive), "
                "megatron/mpu/mappings.py (TP all-reduces, repeated by the recompute)",
     ),
     "megatron-core": Implementation(

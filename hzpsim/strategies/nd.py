@@ -182,19 +182,42 @@ def _sharding_sizes(zero_stage: int, n: int) -> tuple[int, int, int]:
     return {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[zero_stage]
 
 
+def _simulated_lanes(lay: Layout, topology: Topology, expand: bool,
+                     ) -> tuple[list[list[int]], dict[int, int], dict[int, float]]:
+    """Simulated ranks of each pipeline stage, the devices each stands for, and the compute
+    slowdown of the slow ones. Every device under ``expand``; else one pipeline (data-parallel
+    index 0) for everyone, plus the whole pipeline of each explicit straggler's class
+    (:meth:`~hzpsim.cluster.topology.Topology.straggler_lanes`: a slow stage slows its own
+    pipeline through the point-to-point sends, and the others at the data-parallel reduction)."""
+    d, placement, n = lay.dims, lay.placement, topology.num_devices
+    if expand:
+        slow = {r: f for r in topology.stragglers if (f := topology.compute_slowdown(r)) != 1.0}
+        stage_lanes = [sorted(r for r in range(n) if placement.coord(r)["pp"] == s) for s in range(d.pp)]
+        return stage_lanes, {r: 1 for lanes in stage_lanes for r in lanes}, slow
+    slow = topology.straggler_lanes(placement)
+    pipelines = sorted({placement.coord(r)["dp"] for r in slow})
+    rep = next((k for k in range(lay.dp) if k not in pipelines), None)
+    stride = d.tp * d.cp
+    weights: dict[int, int] = {}
+    stage_lanes = []
+    for s in range(d.pp):
+        lanes = [placement.rank(tp=0, cp=0, dp=k, pp=s) for k in sorted({*pipelines, *([] if rep is None else [rep])})]
+        weights.update((r, stride) for r in lanes)
+        if rep is not None:
+            weights[placement.rank(tp=0, cp=0, dp=rep, pp=s)] = n // d.pp - stride * len(pipelines)
+        stage_lanes.append(lanes)
+    return stage_lanes, weights, slow
+
+
 def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
     lay = layout(config, model, training, topology)
     d, n, m = lay.dims, topology.num_devices, lay.num_micro_batches
-    placement = lay.placement
-    stage_lanes = [
-        sorted(r for r in range(n) if placement.coord(r)["pp"] == s) if expand
-        else [placement.rank(tp=0, cp=0, dp=0, pp=s)]
-        for s in range(d.pp)
-    ]
-    weights = {r: (1 if expand else n // d.pp) for lanes in stage_lanes for r in lanes}
+    stage_lanes, weights, slow = _simulated_lanes(lay, topology, expand)
+    factors = [[r, f] for r, f in sorted(slow.items()) if f != 1.0]
     graph = OpGraph(n, weights, training.precision,
                     meta={"pp": d.pp, "vpp": d.vpp, "tp": d.tp, "dp": lay.dp, "cp": d.cp, "ep": d.ep,
-                          "num_micro_batches": m, "layers_per_virtual_stage": list(lay.layers_per_virtual_stage)})
+                          "num_micro_batches": m, "layers_per_virtual_stage": list(lay.layers_per_virtual_stage),
+                          **({"compute_slowdown": factors} if factors else {})})
     units = mp_units(model, training, d)
     # units of each virtual stage: embedding on the first, head on the last
     bounds: list[list[int]] = []
@@ -306,15 +329,31 @@ class _Stage:
             placement = self.lay.placement  # previous one ends on the last rank)
             wrap = 0 if forward else self.p - 1
             target = {r: placement.rank(**{**placement.coord(r), "pp": wrap}) for r in self.lanes}
+        # Megatron 2021 (implementation sync_after_p2p): the send is one host call, after which
+        # the host synchronises with the device (p2p_communication.py::_communicate)
+        synced = self.emit.implementation.sync_after_p2p
+        launch = self.emit.host(f"call.send.{direction}", self.emit.implementation.call_host_s(1, 2), step) \
+            if synced else None
         ids: Ids = {}
+        sent: Ids = {}
         for lane, peer in target.items():
             group = self.graph.add_group(f"p2p.{lane}.{peer}", (lane, peer))
             op = self.graph.collective("send_recv", group, [lane], size, f"send.{direction}.vs{vs}.mb{mb}", "pp",
-                                       f"pp_{'fwd' if forward else 'bwd'}", [deps[lane]], step=step)
-            ids[peer] = op
+                                       f"pp_{'fwd' if forward else 'bwd'}",
+                                       [deps[lane], launch[lane] if launch else None], step=step)
+            ids[peer] = sent[lane] = op
         sends[(direction, vs, mb)] = ids
+        if synced:
+            self.emit.host(f"sync.send.{direction}", 0.0, step, sync=[sent, self.emit.last_compute])
+
+    def _received(self, incoming: Ids | None, step: int) -> None:
+        """Megatron 2021 synchronises after each receive too: the host launches the pass that
+        uses it only once it arrived (p2p_communication.py::_communicate)."""
+        if incoming and self.emit.implementation.sync_after_p2p:
+            self.emit.host("sync.recv", 0.0, step, sync=[incoming])
 
     def _forward(self, step: int, c: int, mb: int, vs: int, incoming: Ids | None, sends) -> None:
+        self._received(incoming, step)
         last: Ids | None = incoming
         merged = self.merged[c]
         if merged is not None and mb > 0:
@@ -331,6 +370,7 @@ class _Stage:
             self._send("F", vs, mb, step, self.units[self.chunks[c][-1]].p2p_bytes, last, sends)
 
     def _backward(self, step: int, c: int, mb: int, vs: int, incoming: Ids | None, sends) -> None:
+        self._received(incoming, step)
         last: Ids | None = incoming
         merged = self.merged[c]
         if merged is not None and mb < self.m - 1:

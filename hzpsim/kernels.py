@@ -13,7 +13,7 @@ Shapes are plain frozen tuples: an op graph of hundreds of thousands of ops shar
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 
@@ -85,3 +85,15 @@ def merged(*groups: Iterable[Shape]) -> tuple[Shape, ...]:
 
 def total_flops(shapes: Iterable[Shape], kind: type | None = None) -> float:
     return sum(s.flops for s in shapes if kind is None or isinstance(s, kind))
+
+
+def to_plain(shapes: Iterable[Shape]) -> list[list[object]]:
+    """Shapes as JSON-able lists, each tagged with its kind (``from_plain`` reads them back)."""
+    return [["gemm" if isinstance(s, Gemm) else "attention", *s] for s in shapes]
+
+
+def from_plain(items: Iterable[Sequence[object]]) -> tuple[Shape, ...]:
+    out: list[Shape] = []
+    for kind, *fields in items:
+        out.append(Gemm(*fields) if kind == "gemm" else Attention(*fields))  # type: ignore[arg-type]
+    return tuple(out)

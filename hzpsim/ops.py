@@ -33,7 +33,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from hzpsim.kernels import Shape
+from hzpsim.kernels import Shape, from_plain, to_plain
 
 COMPUTE = "compute"
 COLLECTIVE = "collective"
@@ -145,7 +145,9 @@ class Op:
         return sum(f for _, f in self.flops)
 
     def to_dict(self) -> dict[str, Any]:
-        return {s: getattr(self, s) for s in self.__slots__}
+        out = {s: getattr(self, s) for s in self.__slots__}
+        out["shapes"] = to_plain(self.shapes)
+        return out
 
 
 def _delta(memory: Mapping[str, float] | None) -> MemoryDelta:
@@ -342,5 +344,6 @@ class OpGraph:
                 raw[key] = tuple(raw[key])
             for key in ("flops", "alloc", "free"):
                 raw[key] = tuple((a, b) for a, b in raw[key])
+            raw["shapes"] = from_plain(raw.get("shapes", ()))
             graph.ops.append(Op(**raw))
         return graph

@@ -145,7 +145,8 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
     data["cluster"] = cluster
     entries = data.get("strategies") or [data.get("strategy")]
     data.pop("strategy", None)
-    data["strategies"] = [_fit_world(dict(e), world) for e in entries if _selected(dict(e), filters)]
+    data["strategies"] = [_executor_implementation(_fit_world(dict(e), world))
+                          for e in entries if _selected(dict(e), filters)]
     if not data["strategies"]:
         raise ScenarioError(f"--strategies {','.join(filters)}: no strategy of the scenario matches")
     scenario = scenario_from_mapping(data, source=str(raw.get("name", "<executor>")))
@@ -155,6 +156,19 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
         changes: dict[str, Any] = {k: float(device[k]) for k in _PROFILE_DEVICE_KEYS if k in device}
         topology.device = dataclasses.replace(topology.device, **changes)
     return scenario
+
+
+#: The implementation profile of what the executor runs for each strategy
+#: (strategies/_implementations.py): FSDP2 for ZeRO-3/ZeRO-2/HSDP, DTensor TP+SP with
+#: torch.distributed.pipelining for ND, our own AsyncHZP.
+EXECUTOR_IMPLEMENTATIONS = {"zero": "fsdp2", "hsdp": "fsdp2", "nd": "dtensor", "asynchzp": "reference"}
+
+
+def _executor_implementation(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with the implementation the executor runs (unless the scenario names one)."""
+    if entry.get("name") in EXECUTOR_IMPLEMENTATIONS:
+        entry.setdefault("implementation", EXECUTOR_IMPLEMENTATIONS[entry["name"]])
+    return entry
 
 
 def _selected(entry: dict[str, Any], filters: Sequence[str]) -> bool:

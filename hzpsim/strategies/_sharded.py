@@ -303,8 +303,11 @@ class ShardedParams:
         self.gather_element_bytes = {"fwd": schedule.forward_gather_bytes_per_element or self.param_element_bytes, "bwd": self.param_element_bytes}
         self.reduce_element_bytes = schedule.grad_reduce_bytes_per_element or self.grad_element_bytes
         largest = max(self.params, default=0.0)
-        static = {"params": self.total * self.param_element_bytes / p, "grads": self.total * self.grad_element_bytes / g,
-                  "optimizer": 12.0 * self.total / o}
+        # the implementation's layout: DeepSpeed/Megatron keep an fp32 master copy in the
+        # optimizer, FSDP2/DTensor keep the fp32 parameter itself (Implementation.master_weights)
+        per_param = schedule.implementation.state_bytes_per_param(self.param_element_bytes, self.grad_element_bytes)
+        static = {"params": self.total * per_param["params"] / p, "grads": self.total * per_param["grads"] / g,
+                  "optimizer": per_param["optimizer"] * self.total / o}
         if schedule.backward_gather_size and p > 1:  # hpZ keeps a secondary (intra-node) shard
             static["params"] += self.total * self.param_element_bytes / schedule.backward_gather_size
         # Gather and gradient buffers: a fixed ring allocated once, or allocated per use, in

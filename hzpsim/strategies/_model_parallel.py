@@ -317,7 +317,7 @@ class UnitEmitter:
         hidden = self.deg.tp_comm_overlap
         last = deps[-1] if deps else None
         calls = unit.tp_calls(forward, self.emit.implementation.tp_gathers_logits)
-        for i, (kind, count, size) in enumerate(calls):
+        for kind, count, size in calls:
             tag = "logits" if size != unit.tp_bytes else {"all_reduce": "", "all_gather": "ag", "reduce_scatter": "rs"}[kind]
             name = f"tp.{label}.{tag}" if tag else f"tp.{label}"
             if hidden > 0:  # the hidden share runs beside the next compute and only loads the links

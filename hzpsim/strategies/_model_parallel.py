@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hzpsim.cluster.placement import Placement
 from hzpsim.model import Model
@@ -126,7 +127,7 @@ class MPUnit:
         return calls
 
 
-def _tp_calls(role: str, per_pass: int, deg: ParallelDims, recompute: str) -> dict[str, int]:
+def _tp_calls(role: str, per_pass: int, deg: ParallelDims, recompute: str) -> dict[str, Any]:
     """MPUnit's TP call counts for a unit whose non-sequence-parallel forward all-reduces
     ``per_pass`` times: ``role`` "embed" (forward only: VocabParallelEmbedding's
     reduce_from_tensor_model_parallel_region), "head" (backward only: the output layer's
@@ -292,11 +293,12 @@ def merge_units(units: Sequence[MPUnit]) -> MPUnit:
 
     pre = total("pre")
     post = total("post")
+    tp_counts: dict[str, Any] = {f: sum(getattr(u, f) for u in units) for f in TP_COUNT_FIELDS}
     return MPUnit(
         name=f"{units[0].name}-{units[-1].name}", dense_params=0.0, pre=pre + post, backward=total("backward"),
         activation_bytes=sum(u.activation_bytes for u in units),
         recompute_bytes=max(u.recompute_bytes for u in units), tp_bytes=tp_bytes,
-        **{f: sum(getattr(u, f) for u in units) for f in TP_COUNT_FIELDS}, p2p_bytes=units[-1].p2p_bytes,
+        **tp_counts, p2p_bytes=units[-1].p2p_bytes,
         tp_logits_bytes=sum(u.tp_logits_bytes for u in units),
         kernels_forward=sum(u.kernels_forward for u in units), kernels_backward=sum(u.kernels_backward for u in units),
     )

@@ -136,7 +136,7 @@ def _row(rows, prefix):
     return row
 
 
-STRATEGY_PREFIXES = ["zero(", "hsdp(", "nd(pp=2", "nd(dp=2", "asynchzp("]  # labels: non-default fields, sorted
+STRATEGY_PREFIXES = ["zero(", "hsdp(", "nd(implementation=dtensor,pp=2", "nd(dp=2", "asynchzp("]  # labels: non-default fields, sorted
 
 
 @pytest.mark.slow

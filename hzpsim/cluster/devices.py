@@ -42,6 +42,10 @@ class Device:
     default_cluster_preset: str  # preset giving this device's usual node fabric
     source: str  # where the numbers come from
     nominal_memory_gb: float | None = None  # the capacity on the label ("80GB"); None = memory_bytes / 1e9
+    # host costs measured on this device (`hzpsim calibrate machine`); None = the implementation's prior
+    kernel_launch_s: float | None = None  # host time per eager kernel (dispatch + launch)
+    collective_call_s: float | None = None  # host time to issue one collective call
+    synchronous_host: bool = False  # kernels run on the thread that launches them (a CPU): no run-ahead
 
     @property
     def memory_label_gb(self) -> float:
@@ -202,6 +206,14 @@ DEVICES: dict[str, Device] = {
             peak_fp32_flops_per_s=1.12e11,
             memory_bytes=24731700 * 1024 / 2,  # MemTotal (/proc/meminfo) split between 2 procs
             memory_bytes_per_s=2.12e10,  # single-stream copy; both procs share the memory bus
+            # Host costs until `hzpsim calibrate machine` measures them under load, measured
+            # 2026-11-23 in one unloaded process (torch 2.13.0, 1 thread): a [1] torch.add 2.5 us,
+            # a [1] torch.mul with autograd 4.0 us (20,000 calls each); issuing a 2-rank gloo
+            # all_reduce(async_op=True) is of the same order as the calibrated values in
+            # docs/executor-results/ (tens of us).
+            kernel_launch_s=4.0e-6,
+            collective_call_s=3.0e-5,
+            synchronous_host=True,  # eager CPU kernels run on the Python thread that dispatches them
             default_cluster_preset="local-cpu",
             source=(
                 "measured 2026-11-21 on this box with /tmp/measure_cpu.py-style numpy script: "
@@ -228,7 +240,7 @@ def get_device(name: str, overrides: tuple[tuple[str, float], ...] = ()) -> Devi
 
 
 CALIBRATED_FIELDS = ("peak_bf16_flops_per_s", "peak_fp16_flops_per_s", "peak_fp32_flops_per_s",
-                     "memory_bytes_per_s", "memory_bytes")
+                     "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s")
 
 
 def calibration_overrides(name: str) -> tuple[tuple[str, float], ...]:

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from hzpsim.cluster.devices import Device
 
 Granularity = Literal["unit", "tensor", "bucket"]
 
@@ -98,6 +101,13 @@ class Implementation:
     optimizer's master, mixed precision only casts what is gathered, and the reduced gradient
     is cast back to that dtype; so 4 B of parameter, 4 B of gradient and 8 B of Adam moments
     (:meth:`state_bytes_per_param`)."""
+    calls_from_comm_threads: bool = False
+    """Collectives are issued by background communication threads (one per stream), so the
+    host cost of a call is paid on that stream, not on the thread that launches the kernels
+    (hzpsim's AsyncHZP executor); False: the training thread issues them (FSDP2, DDP, ...)."""
+    synchronous: bool = False
+    """Kernels run on the thread that launches them (a CPU device): a launch waits for the
+    previous kernel, so host time and kernel time add up (set by :meth:`on_device`)."""
     tp_gathers_logits: bool = False
     """Tensor parallelism: the head's vocabulary-sharded logits are all-gathered to every TP
     rank before the loss (DTensor's ``ColwiseParallel(output_layouts=Replicate())``, torchtitan
@@ -159,6 +169,17 @@ class Implementation:
         # becomes the sharded .grad); torch.optim.Adam: exp_avg and exp_avg_sq in that dtype
         return {"params": FP32_BYTES, "grads": FP32_BYTES, "optimizer": 2 * FP32_BYTES}
 
+    def on_device(self, device: Device) -> Implementation:
+        """This profile with the host costs measured on ``device`` (``hzpsim calibrate
+        machine``): per-kernel and per-call host time and whether kernels run synchronously."""
+        if not self.host:
+            return self
+        return replace(self, kernel_launch_s=device.kernel_launch_s if device.kernel_launch_s is not None
+                       else self.kernel_launch_s,
+                       collective_call_s=device.collective_call_s if device.collective_call_s is not None
+                       else self.collective_call_s,
+                       synchronous=device.synchronous_host)
+
     def launch_s(self, kernels: float) -> float:
         """Host time to launch ``kernels`` eager kernels."""
         return kernels * self.kernel_launch_s if self.host else 0.0
@@ -215,7 +236,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "_fsdp_state.py::FSDPState._pre_forward (no unshard during the recompute)",
     ),
     "reference": Implementation(
-        name="reference",
+        name="reference", calls_from_comm_threads=True,
         source="hzpsim's own AsyncHZP executor (hzpsim/executor): one flat all_gather_into_tensor and "
                "reduce_scatter_tensor per unit from background threads into pre-allocated buffers",
     ),

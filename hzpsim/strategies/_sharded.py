@@ -216,8 +216,18 @@ class Emitter:
         (``launch=False``: the caller charged the call to the host op of the compute it follows)."""
         if instances and launch:
             group_size = len(self.graph.groups[instances[0][0]])
-            host = self.host(f"call.{name}", self.implementation.call_host_s(count, group_size), step, sync)
-            deps = [*deps, host]
+            seconds = self.implementation.call_host_s(count, group_size)
+            if self.implementation.calls_from_comm_threads and self.implementation.host:
+                # the stream's own thread pays the call (and waits for ``sync`` first)
+                if seconds > 0 or any(sync):
+                    deps = [*deps, {lane: self.graph.compute(lane, f"call.{name}", "host", {},
+                                                             [*(d[lane] for d in deps if d and lane in d),
+                                                              *(d.get(lane) for d in sync if d)],
+                                                             stream=stream, step=step, duration_s=seconds)
+                                    for lane in self.lanes}]
+            else:
+                host = self.host(f"call.{name}", seconds, step, sync)
+                deps = [*deps, host]
         ids: Ids = {}
         for group, participants in instances:
             dep_ids = [d[lane] for d in deps if d for lane in participants if lane in d]
@@ -237,7 +247,8 @@ class Emitter:
         issues the collective ``calls`` ((count, group size) each) that follow it in the unit."""
         impl = self.implementation
         seconds = impl.launch_s(kernels) + sum(impl.call_host_s(count, size) for count, size in calls)
-        launch = self.host(f"launch.{name}", seconds, step)
+        # on a synchronous device the launching thread runs the previous kernel first
+        launch = self.host(f"launch.{name}", seconds, step, [self.last_compute] if impl.synchronous else ())
         ids = {
             lane: self.graph.compute(
                 lane, name, category, work.flops(), [d.get(lane) for d in [*deps, launch] if d],

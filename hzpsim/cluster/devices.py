@@ -206,13 +206,13 @@ DEVICES: dict[str, Device] = {
             peak_fp32_flops_per_s=1.12e11,
             memory_bytes=24731700 * 1024 / 2,  # MemTotal (/proc/meminfo) split between 2 procs
             memory_bytes_per_s=2.12e10,  # single-stream copy; both procs share the memory bus
-            # Host costs until `hzpsim calibrate machine` measures them under load, measured
-            # 2026-11-23 in one unloaded process (torch 2.13.0, 1 thread): a [1] torch.add 2.5 us,
-            # a [1] torch.mul with autograd 4.0 us (20,000 calls each); issuing a 2-rank gloo
-            # all_reduce(async_op=True) is of the same order as the calibrated values in
-            # docs/executor-results/ (tens of us).
+            # Host costs until `hzpsim calibrate machine` measures them on the user's box:
+            # kernel: a [1] torch.mul recorded by autograd, 4.0 us in one unloaded process
+            # (torch 2.13.0, 1 thread, mean of 20,000 calls, 2026-11-23); call: issuing a 2-rank
+            # gloo all_reduce(async_op=True), 1.5e-4 s with 4 processes on the 2 vCPUs
+            # (docs/executor-results/profile-world4.yaml, measurements.call_issue_s).
             kernel_launch_s=4.0e-6,
-            collective_call_s=3.0e-5,
+            collective_call_s=1.5e-4,
             synchronous_host=True,  # eager CPU kernels run on the Python thread that dispatches them
             default_cluster_preset="local-cpu",
             source=(

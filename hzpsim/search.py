@@ -48,8 +48,9 @@ from hzpsim.report import format_summary
 from hzpsim.scenario import Scenario, StrategyChoice
 from hzpsim.sim.collectives import CollectiveModel
 from hzpsim.sim.compute import ComputeModel
-from hzpsim.strategies import _family, nd
+from hzpsim.strategies import _family, _implementations, nd
 from hzpsim.strategies._dims import ParallelDims
+from hzpsim.strategies._implementations import Implementation
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
 from hzpsim.strategies._model_parallel import MPUnit, mp_units
 from hzpsim.strategies._sharded import NestedSharding, Schedule
@@ -375,14 +376,15 @@ def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: in
     ep_ranks = list(expert_placement(n, deg.ep, deg.etp, pp).group("ep", 0)) if deg.ep > 1 else []
     out = []
     for u in units:
-        tp_f = costs.collective_s("all_reduce", u.tp_bytes * (1 - deg.tp_comm_overlap), tp_ranks, u.tp_count_forward)
-        tp_b = costs.collective_s("all_reduce", u.tp_bytes * (1 - deg.tp_comm_overlap), tp_ranks, u.tp_count_backward)
+        exposed = 1 - deg.tp_comm_overlap
+        tp_f = sum(costs.collective_s(k, b * exposed, tp_ranks, c) for k, c, b in u.tp_calls(True))
+        tp_b = sum(costs.collective_s(k, b * exposed, tp_ranks, c) for k, c, b in u.tp_calls(False))
         ep = costs.collective_s("all_to_all", u.ep_bytes, ep_ranks, 2) if (u.is_moe and u.ep_bytes) else 0.0
         fwd = costs.work_s(u.pre) + costs.work_s(u.remote) + costs.work_s(u.post) + tp_f + ep
         bwd = costs.work_s(u.backward) + costs.work_s(u.backward_remote) + tp_b + ep
         demand: dict[str, float] = {}
-        size = u.tp_bytes * (1 - deg.tp_comm_overlap)
-        costs.add_demand(demand, "all_reduce", size, tp_ranks, u.tp_count_forward + u.tp_count_backward)
+        for k, c, b in [*u.tp_calls(True), *u.tp_calls(False)]:
+            costs.add_demand(demand, k, b * exposed, tp_ranks, c)
         if u.is_moe and u.ep_bytes:
             costs.add_demand(demand, "all_to_all", u.ep_bytes, ep_ranks, 4)
         out.append(_UnitCost(fwd, bwd, tp_f + tp_b + 2 * ep, u.activation_bytes, u.dense_params, u.expert_params,
@@ -390,11 +392,13 @@ def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: in
     return out
 
 
-def _static_bytes(params: float, sizes: tuple[int, int, int], training) -> float:
+def _static_bytes(params: float, sizes: tuple[int, int, int], training, implementation: Implementation) -> float:
     """Resident model states of ``params`` sharded over (param, grad, optim) groups, as
-    ``_sharded.ShardedParams`` holds them (buffers, which only add, left out)."""
+    ``_sharded.ShardedParams`` holds them in ``implementation``'s layout (buffers, which only
+    add, left out)."""
     p, g, o = sizes
-    return params * training.param_element_bytes / p + params * training.grad_element_bytes / g + 12.0 * params / o
+    per = implementation.state_bytes_per_param(training.param_element_bytes, training.grad_element_bytes)
+    return params * per["params"] / p + params * per["grads"] / g + per["optimizer"] * params / o
 
 
 def _sharded_demand(costs: _Costs, demand: dict[str, float], params: Sequence[float], m: int,
@@ -580,7 +584,7 @@ def _bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
             # forwards before the first backward (Megatron's warm-up, then one steady forward)
             warmup = min(p - s - 1, m) if v == 1 else min((p - s - 1) * 2 + (v - 1) * p, m * v)
             held = sum(acts[((k // p) % v) * p + s] for k in range(warmup + (1 if m * v > warmup else 0)))
-            memory = max(memory, _static_bytes(dense, dense_sizes, training) + held)
+            memory = max(memory, _static_bytes(dense, dense_sizes, training, _implementations.get(cfg.implementation)) + held)
             # the (dp, cp) group of stage s's first rank; ranks are placed tp, cp, dp, pp (tp fastest)
             dp_group = range(s * block, (s + 1) * block, cfg.tp)
             params = tuple(unit_costs[u].dense_params for j in vstages for u in range(*spans[j]))
@@ -614,7 +618,9 @@ def _bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
     optimizer = costs.work_s(Work(bytes_accessed=dense / plan.optim_size * opt_rate))
     if expert:
         optimizer += costs.work_s(Work(bytes_accessed=expert / expert_sizes[2] * opt_rate))
-    static = _static_bytes(dense, sizes, training) + _static_bytes(expert, expert_sizes, training)  # type: ignore[arg-type]
+    impl = plan.schedule.implementation
+    static = (_static_bytes(dense, sizes, training, impl)
+              + _static_bytes(expert, expert_sizes, training, impl))  # type: ignore[arg-type]
     memory = static + sum(u.activation_bytes for u in unit_costs)
     # the (dp, cp) group of rank 0; ranks are placed tp, cp, dp (tp fastest)
     demand = dict(bounder.sharded_demand(training.precision, [u.dense_params for u in unit_costs], m, sizes,

@@ -61,7 +61,7 @@ STRATEGY_FILTERS = {"zero3": ("zero", {"stage": 3}), "zero2": ("zero", {"stage":
 _PROFILE_CLUSTER_KEYS = ("intra_node_bytes_per_s", "inter_node_bytes_per_s_per_device", "intra_node_latency_s",
                          "inter_node_latency_s", "intra_node_efficiency", "inter_node_efficiency")
 _PROFILE_DEVICE_KEYS = ("peak_fp32_flops_per_s", "peak_bf16_flops_per_s", "peak_fp16_flops_per_s",
-                        "memory_bytes_per_s", "memory_bytes")
+                        "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s")
 
 
 def load_profile(path: str | None) -> dict[str, Any]:
@@ -131,30 +131,60 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
     for key in _PROFILE_CLUSTER_KEYS:
         if key in profile.get("cluster", {}):
             cluster[key] = float(profile["cluster"][key])
-    if comm_delay_s:
-        # hzpsim has no per-call host cost; its per-ring-step latency is the knob. The topology's
-        # latency is NCCL's ring/Simple step; a latency-bound call runs with LL, whose step
-        # costs hwLat[LL] / hwLat[Simple] of it, so the delay is scaled by the inverse of that
-        # ratio: a latency-bound ring step then pays exactly the delay.
-        from hzpsim.sim.collectives import _HW_LATENCY_S
-
-        ll_ratio = _HW_LATENCY_S[("nvlink", "ring")][0] / _HW_LATENCY_S[("nvlink", "ring")][2]
-        base = scenario_from_mapping({**data, "cluster": cluster, "strategies": [{"name": "zero"}]}).cluster
-        cluster["intra_node_latency_s"] = float(base.intra_node_latency_s or 0.0) + comm_delay_s / ll_ratio
-        cluster["inter_node_latency_s"] = float(base.inter_node_latency_s or 0.0) + comm_delay_s / ll_ratio
     data["cluster"] = cluster
     entries = data.get("strategies") or [data.get("strategy")]
     data.pop("strategy", None)
-    data["strategies"] = [_fit_world(dict(e), world) for e in entries if _selected(dict(e), filters)]
+    data["strategies"] = [_executor_implementation(_fit_world(dict(e), world))
+                          for e in entries if _selected(dict(e), filters)]
     if not data["strategies"]:
         raise ScenarioError(f"--strategies {','.join(filters)}: no strategy of the scenario matches")
     scenario = scenario_from_mapping(data, source=str(raw.get("name", "<executor>")))
     device = profile.get("device", {})
-    if device:
-        topology = scenario.topology
-        changes: dict[str, Any] = {k: float(device[k]) for k in _PROFILE_DEVICE_KEYS if k in device}
+    changes: dict[str, Any] = {k: float(device[k]) for k in _PROFILE_DEVICE_KEYS if k in device}
+    gemm = profile.get("measurements", {}).get("gemm")
+    if gemm:
+        # the GEMMs this model runs are small: their rate, read off the measured sweep
+        from hzpsim.executor.calibrate import effective_gemm_rate
+
+        rate = effective_gemm_rate(gemm, gemm_shapes(scenario))
+        changes.update(peak_fp32_flops_per_s=rate, peak_bf16_flops_per_s=rate, peak_fp16_flops_per_s=rate)
+    topology = scenario.topology
+    if comm_delay_s:
+        # the executor sleeps in the thread that issues each collective: a per-call host cost
+        call_s = changes.get("collective_call_s", topology.device.collective_call_s) or 0.0
+        changes["collective_call_s"] = call_s + comm_delay_s
+    if changes:
         topology.device = dataclasses.replace(topology.device, **changes)
     return scenario
+
+
+def gemm_shapes(scenario: Scenario) -> list[tuple[float, float, float]]:
+    """(m, k, n) of every GEMM of one micro-batch's forward and backward on one rank without
+    tensor parallelism: per weight (k_in x n_out) the forward (tokens, k, n), the input
+    gradient (tokens, n, k) and the weight gradient (k, tokens, n)."""
+    model, tokens = scenario.model, scenario.training.micro_batch_size * scenario.model.seq_len
+    h, d = model.hidden_size, model.head_dim_resolved
+    weights = [(h, model.num_heads * d), (h, model.kv_heads * d), (h, model.kv_heads * d), (model.num_heads * d, h)]
+    ffn = model.ffn_hidden_size
+    weights += [(h, ffn)] * (2 if model.mlp == "swiglu" else 1) + [(ffn, h)]
+    shapes = [s for _ in range(model.num_layers) for k, n in weights
+              for s in ((tokens, k, n), (tokens, n, k), (k, tokens, n))]
+    k, n = h, model.vocab_size
+    shapes += [(tokens, k, n), (tokens, n, k), (k, tokens, n)]
+    return [(float(m), float(k), float(n)) for m, k, n in shapes]
+
+
+#: The implementation profile of what the executor runs for each strategy
+#: (strategies/_implementations.py): FSDP2 for ZeRO-3/ZeRO-2/HSDP, DTensor TP+SP with
+#: torch.distributed.pipelining for ND, our own AsyncHZP.
+EXECUTOR_IMPLEMENTATIONS = {"zero": "fsdp2", "hsdp": "fsdp2", "nd": "dtensor", "asynchzp": "reference"}
+
+
+def _executor_implementation(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with the implementation the executor runs (unless the scenario names one)."""
+    if entry.get("name") in EXECUTOR_IMPLEMENTATIONS:
+        entry.setdefault("implementation", EXECUTOR_IMPLEMENTATIONS[entry["name"]])
+    return entry
 
 
 def _selected(entry: dict[str, Any], filters: Sequence[str]) -> bool:

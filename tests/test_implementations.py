@@ -136,3 +136,71 @@ def test_sc21_zero3_falls_while_ptdp_holds():
     # a modern stack on the same cluster stays near the compute bound
     fsdp2 = sc21(1536, {"name": "zero", "stage": 3, "implementation": "fsdp2"}, 1)
     assert fsdp2["tflops_per_device"] > 2 * zero_large["tflops_per_device"]
+
+
+def test_megatron_core_sequence_parallel_gathers_and_scatters():
+    """Megatron-LM ``tensor_parallel/mappings.py`` with ``--sequence-parallel``: each TP
+    all-reduce becomes ``_gather_along_first_dim`` before the column-parallel layer and
+    ``_reduce_scatter_along_first_dim`` after the row-parallel one; their backwards are each
+    other, and the full recompute repeats the forward's pair. Per layer: 2 + 2 in the forward,
+    4 + 4 in the backward. ``finalize_model_grads._allreduce_layernorm_grads``: one
+    all-reduce per step of the norm gradients over the TP group."""
+    c = counts({"name": "nd", "tp": 8, "sequence_parallel": True, "implementation": "megatron-core"})
+    assert c == {("tp.fwd.ag", "all_gather"): 2, ("tp.fwd.rs", "reduce_scatter"): 2,
+                 ("tp.bwd.ag", "all_gather"): 4, ("tp.bwd.rs", "reduce_scatter"): 4,
+                 ("ar", "all_reduce"): 3}  # the data-parallel buckets, as without SP
+    scenario = scenario_from_mapping({"model": GPT3_LAYERS, "training": {**TRAINING, "global_batch_size": 2},
+                                      "cluster": {"preset": "dgx-a100", "num_nodes": 2},
+                                      "strategy": {"name": "nd", "tp": 8, "sequence_parallel": True}})
+    choice = scenario.strategies[0]
+    graph = strategies.get(choice.name).build(choice.config, scenario.model, scenario.training, scenario.topology)
+    [norm] = [op for op in graph.ops if op.name == "tp.sp_norm_grads" and op.step == 0]
+    model = scenario.model
+    assert (norm.collective, norm.count) == ("all_reduce", 1)
+    # both layers' norms and row-parallel biases (attention projection, fc2) and the final norm,
+    # fp32 gradients
+    h = model.hidden_size
+    assert norm.size_bytes == (2 * (model.norm_params_per_layer() + 2 * h) + model.final_norm_params()) * 4
+    # the embedding's forward reduce-scatter comes back as a backward gather; the head's
+    # forward gather as a backward reduce-scatter; Megatron keeps the logits vocabulary-parallel
+    assert counts({"name": "nd", "tp": 8, "sequence_parallel": True}, prefix="embed") == {
+        ("tp.fwd.rs", "reduce_scatter"): 1, ("tp.bwd.ag", "all_gather"): 1, ("ar", "all_reduce"): 1}
+    assert counts({"name": "nd", "tp": 8, "sequence_parallel": True}, prefix="head") == {
+        ("tp.fwd.ag", "all_gather"): 1, ("tp.bwd.rs", "reduce_scatter"): 1, ("ar", "all_reduce"): 1}
+
+
+def test_dtensor_gathers_the_logits():
+    """DTensor's head ``ColwiseParallel(output_layouts=Replicate())`` (torchtitan's plan
+    without loss parallelism, what hzpsim's executor runs) all-gathers the vocabulary-sharded
+    logits: one more forward gather of b·s·V elements."""
+    c = counts({"name": "nd", "tp": 8, "sequence_parallel": True, "implementation": "dtensor"}, prefix="head")
+    assert c == {("tp.fwd.ag", "all_gather"): 1, ("tp.fwd.logits", "all_gather"): 1,
+                 ("tp.bwd.rs", "reduce_scatter"): 1, ("ar", "all_reduce"): 1}  # + its data-parallel reduction
+
+
+@pytest.mark.parametrize(("impl", "per_param"), [("deepspeed", 2 + 4 + 12), ("fsdp2", 4 + 4 + 8),
+                                                 ("torchtitan", 4 + 4 + 8), ("megatron-core", 2 + 4 + 12)])
+def test_model_state_layout(impl, per_param):
+    """Resident model states per parameter under fp16 with fp32 gradients: DeepSpeed and
+    Megatron keep the fp16 working copy and an fp32 master in the optimizer (2 + 4 + 12 B);
+    FSDP2 (``FSDPParam.init_dtype_attrs``: the sharded parameter keeps its fp32 dtype, only the
+    all-gather is cast; ``foreach_reduce`` casts the reduced gradient back to it) keeps 4 + 4 B
+    and Adam's two fp32 moments (8 B)."""
+    strategy = {"name": "zero", "stage": 3} if impl in ("deepspeed", "fsdp2") else {"name": "nd", "tp": 2}
+    if impl == "torchtitan":
+        strategy = {"name": "hsdp", "shard_group_size": 16}
+    scenario = scenario_from_mapping({"model": GPT3_LAYERS, "training": {**TRAINING, "grad_dtype": "fp32"},
+                                      "cluster": {"preset": "dgx-a100", "num_nodes": 2},
+                                      "strategy": {**strategy, "implementation": impl}})
+    choice = scenario.strategies[0]
+    graph = strategies.get(choice.name).build(choice.config, scenario.model, scenario.training, scenario.topology)
+    states = sum(graph.static_memory[0].get(k, 0.0) for k in ("params", "grads", "optimizer"))
+    model = scenario.model
+    params = model.embedding_params() + sum(model.layer_params(i) for i in range(model.num_layers)) + \
+        model.head_params() + model.final_norm_params()
+    shards = 16 if strategy["name"] != "nd" else 2  # nd(tp=2): dp 8 without ZeRO, params split over tp
+    if strategy["name"] == "nd":
+        norms = model.num_layers * model.norm_params_per_layer() + model.final_norm_params()
+        params = (params - norms) / 2 + norms  # the norms are replicated over the TP group
+        shards = 1
+    assert states == pytest.approx(per_param * params / shards, rel=1e-12)

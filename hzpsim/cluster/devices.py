@@ -58,6 +58,10 @@ class Device:
         if self.power_limit_w is None or self.tdp_w is None or self.power_limit_w >= self.tdp_w:
             return 1.0
         return (self.power_limit_w / self.tdp_w) ** (1 / 3)
+    # host costs measured on this device (`hzpsim calibrate machine`); None = the implementation's prior
+    kernel_launch_s: float | None = None  # host time per eager kernel (dispatch + launch)
+    collective_call_s: float | None = None  # host time to issue one collective call
+    synchronous_host: bool = False  # kernels run on the thread that launches them (a CPU): no run-ahead
 
     @property
     def memory_label_gb(self) -> float:
@@ -228,6 +232,14 @@ DEVICES: dict[str, Device] = {
             peak_fp32_flops_per_s=1.12e11,
             memory_bytes=24731700 * 1024 / 2,  # MemTotal (/proc/meminfo) split between 2 procs
             memory_bytes_per_s=2.12e10,  # single-stream copy; both procs share the memory bus
+            # Host costs until `hzpsim calibrate machine` measures them on the user's box:
+            # kernel: a [1] torch.mul recorded by autograd, 4.0 us in one unloaded process
+            # (torch 2.13.0, 1 thread, mean of 20,000 calls, 2026-11-23); call: issuing a 2-rank
+            # gloo all_reduce(async_op=True), 1.5e-4 s with 4 processes on the 2 vCPUs
+            # (docs/executor-results/profile-world4.yaml, measurements.call_issue_s).
+            kernel_launch_s=4.0e-6,
+            collective_call_s=1.5e-4,
+            synchronous_host=True,  # eager CPU kernels run on the Python thread that dispatches them
             default_cluster_preset="local-cpu",
             source=(
                 "measured 2026-11-21 on this box with /tmp/measure_cpu.py-style numpy script: "
@@ -254,7 +266,7 @@ def get_device(name: str, overrides: tuple[tuple[str, float], ...] = ()) -> Devi
 
 
 CALIBRATED_FIELDS = ("peak_bf16_flops_per_s", "peak_fp16_flops_per_s", "peak_fp32_flops_per_s",
-                     "memory_bytes_per_s", "memory_bytes")
+                     "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s")
 
 
 def calibration_overrides(name: str) -> tuple[tuple[str, float], ...]:

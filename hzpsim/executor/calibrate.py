@@ -31,13 +31,19 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import yaml
 
-GEMM_SHAPES = [(512, 128, 128), (512, 128, 512), (512, 512, 128), (512, 128, 352), (512, 352, 128),
-               (1024, 256, 256), (1024, 256, 1024), (2048, 512, 512), (2048, 1024, 1024)]
+#: GEMM shapes (m, k, n) of the sweep: the grid covers the small GEMMs of a training step on a
+#: CPU (m = tokens of a micro-batch, or k = tokens for a weight gradient), where the rate is far
+#: below a large GEMM's; :func:`effective_gemm_rate` reads a model's rate off it.
+GEMM_DIMS_M = (64, 256, 1024)
+GEMM_DIMS_KN = (64, 128, 384, 512, 1024)
+GEMM_SHAPES = [(m, k, n) for m in GEMM_DIMS_M for k in GEMM_DIMS_KN for n in GEMM_DIMS_KN]
+QUICK_GEMM_SHAPES = [(64, 128, 128), (256, 384, 128), (1024, 512, 512)]
 MEMORY_ELEMENTS = [2**14, 2**16, 2**18, 2**20, 2**22]
 COLLECTIVE_BYTES = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
@@ -70,11 +76,11 @@ def bench(out_dir: str, quick: bool) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     min_time = 0.02 if quick else 0.15
-    shapes = GEMM_SHAPES[:3] if quick else GEMM_SHAPES
+    shapes = QUICK_GEMM_SHAPES if quick else GEMM_SHAPES
     elements = MEMORY_ELEMENTS[1:3] if quick else MEMORY_ELEMENTS
     sizes = COLLECTIVE_BYTES[:2] if quick else COLLECTIVE_BYTES
     group_sizes = sorted({g for g in (2, world) if 2 <= g <= world})
-    total = len(shapes) + len(elements) + 1 + len(group_sizes) * len(KINDS) * len(sizes)
+    total = len(shapes) + len(elements) + 2 + len(group_sizes) * (len(KINDS) * len(sizes) + 1)
     done = [0]
 
     def progress(label: str) -> None:
@@ -86,7 +92,7 @@ def bench(out_dir: str, quick: bool) -> None:
     for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
         dist.barrier()
-        t = _timed(lambda a=a, b=b: torch.mm(a, b), min_time)
+        t = _timed(lambda a=a, b=b: torch.mm(a, b), min_time / 3 if len(shapes) > 20 else min_time)
         out["gemm"].append({"m": m, "k": k, "n": n, "flops_per_s": 2.0 * m * k * n / t})
         progress(f"gemm {m}x{k}x{n}")
     for count in elements:
@@ -99,6 +105,11 @@ def bench(out_dir: str, quick: bool) -> None:
     dist.barrier()
     out["kernel_launch_s"] = _timed(lambda: torch.add(one, one), min_time, 50)
     progress("kernel launch")
+    leaf = torch.ones(1, requires_grad=True)
+    dist.barrier()
+    # an op recorded by autograd (what a training forward dispatches)
+    out["autograd_op_s"] = _timed(lambda: torch.mul(leaf, leaf), min_time, 50)
+    progress("autograd op")
 
     for g in group_sizes:
         groups = [dist.new_group(list(range(b, b + g))) for b in range(0, world - world % g, g)]
@@ -113,6 +124,9 @@ def bench(out_dir: str, quick: bool) -> None:
                     t = _time_collective(kind, elements_full, g, rank % g, mine, min_time)
                 out["collectives"].append({"kind": kind, "group_size": g, "size_bytes": elements_full * 4, "time_s": t})
                 progress(f"{kind} {g} ranks {size} B")
+        dist.barrier()
+        out.setdefault("call_issue_s", {})[g] = _issue_time(mine, 20 if min_time < 0.1 else 100) if mine is not None else -1.0
+        progress(f"call issue {g} ranks")
     dist.barrier()
     tiny = torch.ones(1)
     out["host_cost_per_call_s"] = _timed(lambda: dist.all_reduce(tiny), min_time, reps=50)
@@ -122,6 +136,39 @@ def bench(out_dir: str, quick: bool) -> None:
         with open(Path(out_dir) / "bench.json", "w", encoding="utf-8") as handle:
             json.dump(gathered, handle)
     dist.destroy_process_group()
+
+
+def _issue_time(group, reps: int) -> float:
+    """Mean host time to ISSUE one collective (a 4-byte all_reduce with ``async_op=True``,
+    the wait not included): what the calling thread pays per call before it goes on."""
+    import torch
+    import torch.distributed as dist
+
+    tiny = torch.ones(1)
+    for _ in range(3):
+        dist.all_reduce(tiny, group=group, async_op=True).wait()
+    spent = 0.0
+    for _ in range(reps):
+        start = time.perf_counter()
+        work = dist.all_reduce(tiny, group=group, async_op=True)
+        spent += time.perf_counter() - start
+        work.wait()
+    return spent / reps
+
+
+def effective_gemm_rate(gemm: list[dict[str, Any]], shapes: Sequence[tuple[float, float, float]]) -> float:
+    """FLOP/s of a set of GEMMs ``(m, k, n)`` (each counted once) at the measured rates: each
+    shape takes the rate of the nearest measured shape (log distance over m, k, n), and the
+    rate of the set is total FLOPs over total time (a FLOP-weighted harmonic mean)."""
+    import math
+
+    def rate(m: float, k: float, n: float) -> float:
+        best = min(gemm, key=lambda r: sum(abs(math.log(x / r[d])) for x, d in ((m, "m"), (k, "k"), (n, "n"))))
+        return float(best["flops_per_s"])
+
+    flops = sum(2.0 * m * k * n for m, k, n in shapes)
+    seconds = sum(2.0 * m * k * n / rate(m, k, n) for m, k, n in shapes)
+    return flops / seconds
 
 
 def _time_collective(kind: str, elements: int, g: int, index: int, group, min_time: float) -> float:
@@ -197,15 +244,20 @@ def build_profile(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
     latency, bandwidth = fit_fabric(collectives)
     flops = statistics.median(g["flops_per_s"] for g in gemm)
     mem = statistics.median(m["bytes_per_s"] for m in memory)
+    issue = {int(g): max(r["call_issue_s"][g] for r in per_rank) for g in per_rank[0]["call_issue_s"]}
+    autograd_op = statistics.mean(r["autograd_op_s"] for r in per_rank)
     return {
         "device": {"name": "cpu-local", "peak_fp32_flops_per_s": flops, "peak_bf16_flops_per_s": flops,
-                   "peak_fp16_flops_per_s": flops, "memory_bytes_per_s": mem},
+                   "peak_fp16_flops_per_s": flops, "memory_bytes_per_s": mem,
+                   # host costs: one eager op recorded by autograd, one collective issued
+                   "kernel_launch_s": autograd_op, "collective_call_s": max(issue.values())},
         "cluster": {"intra_node_bytes_per_s": bandwidth, "inter_node_bytes_per_s_per_device": bandwidth,
                     "intra_node_latency_s": latency, "inter_node_latency_s": latency,
                     "intra_node_efficiency": 1.0, "inter_node_efficiency": 1.0},
         "measurements": {"world_size": world, "threads_per_rank": 1, "gemm": gemm, "memory": memory,
                          "kernel_launch_s": statistics.mean(r["kernel_launch_s"] for r in per_rank),
                          "host_cost_per_call_s": max(r["host_cost_per_call_s"] for r in per_rank),
+                         "autograd_op_s": autograd_op, "call_issue_s": issue,
                          "collectives": collectives},
         "source": f"hzpsim calibrate machine --world {world} on {platform.node()} "
                   f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "

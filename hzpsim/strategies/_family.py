@@ -82,7 +82,7 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
                                                             "ep": dims.ep, **(meta or {}), **slow})
     m = dims.num_micro_batches(training, n)
     units = mp_units(model, training, dims)
-    emit = Emitter(graph, lanes, plan.schedule.implementation)
+    emit = Emitter(graph, lanes, plan.schedule.implementation.on_device(topology.device))
     sizes = (plan.param_size, plan.grad_size, plan.optim_size)
     unit_pass = UnitPass(emit, dims, units, training, placement, experts, plan.schedule,
                          flat_uses(training.num_steps, m, len(units)), lambda size: _capped(sizes, size), m)

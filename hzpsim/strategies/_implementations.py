@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from hzpsim.cluster.devices import Device
 
 Granularity = Literal["unit", "tensor", "bucket"]
 
@@ -42,6 +45,7 @@ COLLECTIVE_CALL_2021_S = 45e-6
 #: measured ~380 us of pre-launch + launch per per-parameter gather at N = 8. Plausible range
 #: 3-40 us; the calibration fits it.
 LIST_FORM_PER_RANK_S = 8e-6
+FP32_BYTES = 4.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +97,25 @@ class Implementation:
     kernel_launch_s: float = KERNEL_LAUNCH_S
     host: bool = True
     """Model the host thread at all (False: ``ideal``)."""
+    master_weights: bool = True
+    """Model states per parameter. True: the optimizer keeps fp32 master weights beside the
+    working copy (DeepSpeed, Megatron's distributed optimizer): the working parameter and the
+    gradient in their training dtypes, 12 B of optimizer state (master + Adam's two moments).
+    False (FSDP2, DTensor): the resident parameter keeps its original fp32 dtype and IS the
+    optimizer's master, mixed precision only casts what is gathered, and the reduced gradient
+    is cast back to that dtype; so 4 B of parameter, 4 B of gradient and 8 B of Adam moments
+    (:meth:`state_bytes_per_param`)."""
+    calls_from_comm_threads: bool = False
+    """Collectives are issued by background communication threads (one per stream), so the
+    host cost of a call is paid on that stream, not on the thread that launches the kernels
+    (hzpsim's AsyncHZP executor); False: the training thread issues them (FSDP2, DDP, ...)."""
+    synchronous: bool = False
+    """Kernels run on the thread that launches them (a CPU device): a launch waits for the
+    previous kernel, so host time and kernel time add up (set by :meth:`on_device`)."""
+    tp_gathers_logits: bool = False
+    """Tensor parallelism: the head's vocabulary-sharded logits are all-gathered to every TP
+    rank before the loss (DTensor's ``ColwiseParallel(output_layouts=Replicate())``, torchtitan
+    without loss parallelism), instead of a vocabulary-parallel cross-entropy."""
 
     # -- counts -------------------------------------------------------------------------------
 
@@ -138,6 +161,28 @@ class Implementation:
             return 0.0
         per_call = self.collective_call_s + (LIST_FORM_PER_RANK_S * group_size if self.list_form else 0.0)
         return calls * per_call
+
+    def state_bytes_per_param(self, param_element_bytes: float, grad_element_bytes: float) -> dict[str, float]:
+        """Resident bytes per parameter of the working copy, the gradient and the optimizer
+        (before sharding) for a run whose working and gradient dtypes have these sizes."""
+        if self.master_weights:
+            return {"params": param_element_bytes, "grads": grad_element_bytes, "optimizer": 12.0}
+        # torch/distributed/fsdp/_fully_shard/_fsdp_param.py::FSDPParam.init_dtype_attrs
+        # (orig_dtype = the sharded parameter's dtype; param_dtype only for the all-gather),
+        # _fsdp_collectives.py::foreach_reduce (reduce_output cast back to orig_dtype before it
+        # becomes the sharded .grad); torch.optim.Adam: exp_avg and exp_avg_sq in that dtype
+        return {"params": FP32_BYTES, "grads": FP32_BYTES, "optimizer": 2 * FP32_BYTES}
+
+    def on_device(self, device: Device) -> Implementation:
+        """This profile with the host costs measured on ``device`` (``hzpsim calibrate
+        machine``): per-kernel and per-call host time and whether kernels run synchronously."""
+        if not self.host:
+            return self
+        return replace(self, kernel_launch_s=device.kernel_launch_s if device.kernel_launch_s is not None
+                       else self.kernel_launch_s,
+                       collective_call_s=device.collective_call_s if device.collective_call_s is not None
+                       else self.collective_call_s,
+                       synchronous=device.synchronous_host)
 
     def launch_s(self, kernels: float) -> float:
         """Host time to launch ``kernels`` eager kernels."""
@@ -189,13 +234,13 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                              "recompute), _post_backward_hook (one reduce_scatter_tensor per FlatParameter)",
     ),
     "fsdp2": Implementation(
-        name="fsdp2", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1,
+        name="fsdp2", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
         source=f"{_PT}:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather, "
                "foreach_all_gather_copy_out (split_with_sizes_copy of the whole unit), foreach_reduce; "
                "_fsdp_state.py::FSDPState._pre_forward (no unshard during the recompute)",
     ),
     "reference": Implementation(
-        name="reference",
+        name="reference", calls_from_comm_threads=True,
         source="hzpsim's own AsyncHZP executor (hzpsim/executor): one flat all_gather_into_tensor and "
                "reduce_scatter_tensor per unit from background threads into pre-allocated buffers",
     ),
@@ -215,9 +260,18 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward)",
     ),
     "torchtitan": Implementation(
-        name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1,
+        name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
         source="pytorch/torchtitan@v0.2.2:torchtitan/models/llama3/infra/parallelize.py::apply_fsdp, "
                "apply_tp (FSDP2 per block + DTensor TP/SP)",
+    ),
+    "dtensor": Implementation(
+        name="dtensor", grad_reduce_overlap=False, master_weights=False, tp_gathers_logits=True,
+        source=f"{_PT}:torch/distributed/tensor/parallel/style.py::ColwiseParallel, RowwiseParallel, "
+               "SequenceParallel, PrepareModuleInput (torchtitan's TP plan with sequence parallelism and "
+               "the logits gathered: output_layouts=Replicate()), torch/distributed/pipelining/schedules.py::"
+               "Schedule1F1B, ScheduleInterleaved1F1B; the data-parallel reduction and the sequence-parallel "
+               "norm-gradient all-reduce as hzpsim/executor/nd.py issues them (one all_reduce per unit "
+               "after the backward, one coalesced all_reduce over the TP group per step)",
     ),
     "ddp": Implementation(
         name="ddp", reduce="bucket", reduce_bucket_elements=25 * 2**20 / 4,

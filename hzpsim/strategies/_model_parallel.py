@@ -8,10 +8,18 @@ the sharded family when it composes with ``tp``/``cp``/``ep``.
 Communication per layer and micro-batch (docs/strategies.md §2.7, §2.8):
 
 - TP: two all-reduces of b·s·h activations in the forward and two in the backward, i.e.
-  8·b·s·h·(t−1)/t elements per rank; with sequence parallelism each all-reduce becomes an
-  all-gather + reduce-scatter pair of the same volume and cost. On the critical path unless
-  ``tp_comm_overlap`` hides a fraction of it (the hidden part still loads the links). An MoE
-  layer keeps the attention block's all-reduce; its MLP block talks through the dispatcher.
+  8·b·s·h·(t−1)/t elements per rank. With sequence parallelism each all-reduce becomes an
+  all-gather + reduce-scatter pair of the same volume (Megatron-LM
+  megatron/core/tensor_parallel/mappings.py: ``_gather_along_first_dim`` before a
+  column-parallel layer, ``_reduce_scatter_along_first_dim`` after a row-parallel one, each the
+  other's backward): a layer's forward gathers and scatters twice, and so does its backward;
+  the embedding's forward all-reduce becomes a forward reduce-scatter and a backward gather, the
+  head's backward all-reduce a forward gather and a backward reduce-scatter. The norm weights
+  then see only 1/t of the tokens, so their gradients are all-reduced over the TP group once
+  per step (megatron/core/distributed/finalize_model_grads.py::_allreduce_layernorm_grads, one
+  coalesced buffer). On the critical path unless ``tp_comm_overlap`` hides a fraction of it
+  (the hidden part still loads the links). An MoE layer keeps the attention block's
+  all-reduce (pair); its MLP block talks through the dispatcher.
 - CP: each rank's K/V chunk goes round the CP ring (an all-gather of c chunks) while the local
   part of attention runs; the remote part waits for it. Backward moves twice the bytes
   (K/V again and dK/dV). GQA shrinks the chunk (kv heads), and kv heads are not split below one
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hzpsim.cluster.placement import Placement
 from hzpsim.kernels import Attention, Gemm, Shape
@@ -65,11 +74,26 @@ class MPUnit:
     recompute_bytes: float = 0.0
     """Activations rebuilt by the recompute, held during the backward."""
     tp_bytes: float = 0.0
-    """One TP all-reduce buffer (b·s/c·h elements in the activation dtype); 0 without TP."""
+    """One TP collective's buffer (b·s/c·h elements in the activation dtype; the full buffer of
+    a sequence-parallel all-gather or reduce-scatter); 0 without TP."""
     tp_count_forward: int = 0
-    """TP all-reduces in the forward."""
+    """TP all-reduces in the forward (0 with sequence parallelism)."""
     tp_count_backward: int = 0
     """TP all-reduces in the backward."""
+    tp_gathers_forward: int = 0
+    """Sequence-parallel all-gathers in the forward."""
+    tp_scatters_forward: int = 0
+    """Sequence-parallel reduce-scatters in the forward."""
+    tp_gathers_backward: int = 0
+    """Sequence-parallel all-gathers in the backward (the recompute's included)."""
+    tp_scatters_backward: int = 0
+    """Sequence-parallel reduce-scatters in the backward (the recompute's included)."""
+    tp_logits_bytes: float = 0.0
+    """The head's vocabulary-sharded logits as one all-gather buffer (b·s/c·V elements), for an
+    implementation that gathers them (``Implementation.tp_gathers_logits``); 0 elsewhere."""
+    tp_sp_params: float = 0.0
+    """Parameters replicated over the TP group whose gradients are partial sums under sequence
+    parallelism (the norms): all-reduced over the TP group once per step."""
     cp_bytes: float = 0.0
     """CP ring all-gather buffer (c chunks of K and V); 0 without CP."""
     ep_bytes: float = 0.0
@@ -87,6 +111,43 @@ class MPUnit:
     """Eager kernels the forward launches (host launch cost)."""
     kernels_backward: float = 0.0
     """Eager kernels the backward launches, the recompute included."""
+
+    def tp_calls(self, forward: bool, gathers_logits: bool = False) -> list[tuple[str, int, float]]:
+        """The pass's TP collectives as (kind, calls, bytes per call), in the order emitted:
+        all-reduces, or the sequence-parallel all-gathers and reduce-scatters, and the head's
+        logits gather when the implementation gathers them (forward, last)."""
+        if not self.tp_bytes:
+            return []
+        if forward:
+            counts = (self.tp_count_forward, self.tp_gathers_forward, self.tp_scatters_forward)
+        else:
+            counts = (self.tp_count_backward, self.tp_gathers_backward, self.tp_scatters_backward)
+        calls = [(kind, n, self.tp_bytes) for kind, n in zip(("all_reduce", "all_gather", "reduce_scatter"), counts) if n]
+        if forward and gathers_logits and self.tp_logits_bytes:
+            calls.append(("all_gather", 1, self.tp_logits_bytes))
+        return calls
+
+
+def _tp_calls(role: str, per_pass: int, deg: ParallelDims, recompute: str) -> dict[str, Any]:
+    """MPUnit's TP call counts for a unit whose non-sequence-parallel forward all-reduces
+    ``per_pass`` times: ``role`` "embed" (forward only: VocabParallelEmbedding's
+    reduce_from_tensor_model_parallel_region), "head" (backward only: the output layer's
+    copy_to_tensor_model_parallel_region) or "layer" (both; the full recompute repeats the
+    forward's). With sequence parallelism every all-reduce becomes the pair of
+    mappings.py's gather and reduce-scatter, whose backwards are each other."""
+    if deg.tp == 1 or not per_pass:
+        return {}
+    again = 2 if recompute == "full" else 1
+    if not deg.sequence_parallel:
+        forward = per_pass if role != "head" else 0
+        backward = {"embed": 0, "head": per_pass, "layer": per_pass * again}[role]
+        return {"tp_count_forward": forward, "tp_count_backward": backward}
+    if role == "embed":  # reduce_scatter_to_sequence_parallel_region; its backward gathers
+        return {"tp_scatters_forward": per_pass, "tp_gathers_backward": per_pass}
+    if role == "head":  # gather_from_sequence_parallel_region; its backward reduce-scatters
+        return {"tp_gathers_forward": per_pass, "tp_scatters_backward": per_pass}
+    return {"tp_gathers_forward": per_pass, "tp_scatters_forward": per_pass,
+            "tp_gathers_backward": per_pass * again, "tp_scatters_backward": per_pass * again}
 
 
 def _gemms(linears: Sequence[tuple[int, int, str]], tokens: float, t: int) -> list[Gemm]:
@@ -126,7 +187,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
     lookup = Work(bytes_accessed=2.0 * local * h * act / (t if deg.sequence_parallel else 1))
     units.append(MPUnit(
         name="embed", dense_params=model.embedding_params() / t, pre=lookup, backward=lookup.scaled(2),
-        activation_bytes=0.0, tp_bytes=tp_bytes, tp_count_forward=1 if t > 1 else 0, p2p_bytes=p2p_bytes,
+        activation_bytes=0.0, tp_bytes=tp_bytes, **_tp_calls("embed", 1, deg, mode), p2p_bytes=p2p_bytes,
         tensors=(model.embedding_params() / t,), kernels_forward=1, kernels_backward=2,
     ))
     kv_per_rank = max(model.kv_heads / t, 1.0)
@@ -225,7 +286,9 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
             recompute_bytes=max(stored - kept, 0.0) if mode != "none" else 0.0, tp_bytes=tp_bytes,
             # the full recompute reruns the forward, its TP collectives included (Megatron
             # mpu.checkpoint / CheckpointFunction re-enters RowParallelLinear's all-reduce)
-            tp_count_forward=tp_count, tp_count_backward=tp_count * (2 if mode == "full" else 1),
+            **_tp_calls("layer", tp_count, deg, mode),
+            # norms and row-parallel biases (Megatron marks both ``sequence_parallel``)
+            tp_sp_params=(norms + (tp_count * h if model.linear_bias else 0.0)) if t > 1 and deg.sequence_parallel else 0.0,
             cp_bytes=cp_bytes, ep_bytes=ep_bytes, p2p_bytes=p2p_bytes, is_moe=moe,
             tensors=tuple(x if x == h else x / t for x in dense_tensors),
             expert_tensors=tuple(x / deg.etp for x in local_experts_t),
@@ -240,10 +303,16 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         name="head", dense_params=(model.head_params() / t) + model.final_norm_params(),
         pre=Work.of([head_gemm], 16 * elements),
         backward=Work.of(list(head_gemm.backward()), 14 * elements), activation_bytes=4 * elements,
-        tp_bytes=tp_bytes, tp_count_backward=1 if t > 1 else 0, p2p_bytes=p2p_bytes,
+        tp_bytes=tp_bytes, **_tp_calls("head", 1, deg, mode), p2p_bytes=p2p_bytes,
+        tp_logits_bytes=local * vocab * act if t > 1 else 0.0,
+        tp_sp_params=model.final_norm_params() if t > 1 and deg.sequence_parallel else 0.0,
         tensors=((model.head_params() / t) + model.final_norm_params(),), kernels_forward=4, kernels_backward=4,
     ))
     return units
+
+
+TP_COUNT_FIELDS = ("tp_count_forward", "tp_count_backward", "tp_gathers_forward", "tp_scatters_forward",
+                   "tp_gathers_backward", "tp_scatters_backward")
 
 
 def merge_units(units: Sequence[MPUnit]) -> MPUnit:
@@ -262,12 +331,13 @@ def merge_units(units: Sequence[MPUnit]) -> MPUnit:
 
     pre = total("pre")
     post = total("post")
+    tp_counts: dict[str, Any] = {f: sum(getattr(u, f) for u in units) for f in TP_COUNT_FIELDS}
     return MPUnit(
         name=f"{units[0].name}-{units[-1].name}", dense_params=0.0, pre=pre + post, backward=total("backward"),
         activation_bytes=sum(u.activation_bytes for u in units),
         recompute_bytes=max(u.recompute_bytes for u in units), tp_bytes=tp_bytes,
-        tp_count_forward=sum(u.tp_count_forward for u in units),
-        tp_count_backward=sum(u.tp_count_backward for u in units), p2p_bytes=units[-1].p2p_bytes,
+        **tp_counts, p2p_bytes=units[-1].p2p_bytes,
+        tp_logits_bytes=sum(u.tp_logits_bytes for u in units),
         kernels_forward=sum(u.kernels_forward for u in units), kernels_backward=sum(u.kernels_backward for u in units),
     )
 
@@ -282,25 +352,36 @@ class UnitEmitter:
             dim: emit.groups_for(lambda lane, dim=dim: group_of(dim, lane), sizes[dim]) for dim in sizes
         }
 
-    def _tp(self, unit: MPUnit, count: int, label: str, deps: Sequence[Ids | None], step: int) -> Ids | None:
-        if not count or not unit.tp_bytes:
-            return None
+    def _tp(self, unit: MPUnit, forward: bool, label: str, deps: Sequence[Ids | None], step: int) -> Ids | None:
+        """The pass's TP collectives (:meth:`MPUnit.tp_calls`) one after the other after ``deps``."""
         hidden = self.deg.tp_comm_overlap
         last = deps[-1] if deps else None
-        if hidden > 0:  # the hidden share runs beside the next compute and only loads the links
-            self.emit.collective("all_reduce", self.instances["tp"], unit.tp_bytes * hidden, f"tp.{label}.overlapped",
-                                 "tp", "tp", deps, step, count=count, launch=False)
-        if hidden < 1:
-            last = self.emit.collective("all_reduce", self.instances["tp"], unit.tp_bytes * (1 - hidden), f"tp.{label}",
-                                        "tp", "compute", deps, step, count=count, launch=False)
-        return last
+        calls = unit.tp_calls(forward, self.emit.implementation.tp_gathers_logits)
+        for kind, count, size in calls:
+            tag = "logits" if size != unit.tp_bytes else {"all_reduce": "", "all_gather": "ag", "reduce_scatter": "rs"}[kind]
+            name = f"tp.{label}.{tag}" if tag else f"tp.{label}"
+            if hidden > 0:  # the hidden share runs beside the next compute and only loads the links
+                self.emit.collective(kind, self.instances["tp"], size * hidden, f"{name}.overlapped",
+                                     "tp", "tp", deps, step, count=count, launch=False)
+            if hidden < 1:
+                last = self.emit.collective(kind, self.instances["tp"], size * (1 - hidden), name,
+                                            "tp", "compute", [last], step, count=count, launch=False)
+        return last if calls else None
+
+    def sp_norm_reduce(self, size_bytes: float, deps: Sequence[Ids | None], step: int) -> Ids | None:
+        """The step's all-reduce of the sequence-parallel norm gradients over the TP group (one
+        coalesced buffer of ``size_bytes``; Megatron's ``_allreduce_layernorm_grads``)."""
+        if not size_bytes or not self.instances["tp"]:
+            return None
+        return self.emit.collective("all_reduce", self.instances["tp"], size_bytes, "tp.sp_norm_grads", "tp",
+                                    "compute", deps, step)
 
     def _calls(self, unit: MPUnit, forward: bool) -> list[tuple[int, int]]:
         """The unit pass's TP / CP / EP collective calls as (count, group size): their host cost
         is charged with the pass's kernel launches, in one host op."""
         deg = self.deg
-        tp = unit.tp_count_forward if forward else unit.tp_count_backward
-        return [(tp if unit.tp_bytes else 0, deg.tp), (1 if forward else 2, deg.cp) if unit.cp_bytes else (0, 1),
+        tp = sum(count for _, count, _ in unit.tp_calls(forward, self.emit.implementation.tp_gathers_logits))
+        return [(tp, deg.tp), (1 if forward else 2, deg.cp) if unit.cp_bytes else (0, 1),
                 (2, deg.ep) if unit.is_moe and unit.ep_bytes else (0, 1)]
 
     def forward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
@@ -311,7 +392,7 @@ class UnitEmitter:
             last: Ids = emit.compute(f"fwd.{label}", "forward", unit.pre + unit.post, deps, step,
                                      alloc=alloc, free=free, kernels=unit.kernels_forward,
                                      calls=self._calls(unit, True))
-            return self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
+            return self._tp(unit, True, f"fwd.{label}", [last], step) or last
         has_post = bool(unit.post)
         last = emit.compute(f"fwd.{label}", "forward", unit.pre, deps, step, alloc=alloc,
                             free=None if (has_post or unit.cp_bytes) else free, kernels=unit.kernels_forward,
@@ -322,7 +403,7 @@ class UnitEmitter:
             last = emit.compute(f"fwd.remote.{label}", "forward", unit.remote, [last, ring], step,
                                 free=None if has_post else free)
         if unit.is_moe and unit.ep_bytes:
-            last = self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
+            last = self._tp(unit, True, f"fwd.{label}", [last], step) or last
             dispatch = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.{label}",
                                        "ep", "compute", [last], step, launch=False)
             experts = emit.compute(f"fwd.experts.{label}", "forward", unit.post, [dispatch], step, free=free)
@@ -330,7 +411,7 @@ class UnitEmitter:
                                    "ep", "compute", [experts], step, launch=False)
         if has_post:
             last = emit.compute(f"fwd.mlp.{label}", "forward", unit.post, [last], step, free=free)
-        return self._tp(unit, unit.tp_count_forward, f"fwd.{label}", [last], step) or last
+        return self._tp(unit, True, f"fwd.{label}", [last], step) or last
 
     def backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
                  alloc: dict[str, float], free: dict[str, float] | None) -> Ids:
@@ -352,7 +433,7 @@ class UnitEmitter:
         if unit.is_moe and unit.ep_bytes:
             last = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.bwd.{label}",
                                    "ep", "compute", [last], step, launch=False)
-        return self._tp(unit, unit.tp_count_backward, f"bwd.{label}", [last], step) or last
+        return self._tp(unit, False, f"bwd.{label}", [last], step) or last
 
 
 class UnitPass:
@@ -376,6 +457,7 @@ class UnitPass:
 
         self.unit_emit = UnitEmitter(emit, dims, group_of)
         self.num_micro_batches = num_micro_batches
+        self.sp_norm_bytes = sum(u.tp_sp_params for u in units) * training.grad_element_bytes
         names = [u.name for u in units]
         first = lambda group: group[0]  # noqa: E731  (groups are sorted)
         dense_groups = tuple(sorted({placement.group(("dp", "cp"), r) for r in emit.lanes}, key=first))
@@ -435,6 +517,7 @@ class UnitPass:
         """The step-end gradient reductions (with the end of the backward: what the gradient-norm
         all-reduce waits for)."""
         out: list[Ids | None] = [end_of_backward]
+        out.append(self.unit_emit.sp_norm_reduce(self.sp_norm_bytes, [end_of_backward], step))
         for s in self.sharded:
             out += s.reduce_step(step, end_of_backward)
         return out

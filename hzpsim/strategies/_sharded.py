@@ -216,8 +216,18 @@ class Emitter:
         (``launch=False``: the caller charged the call to the host op of the compute it follows)."""
         if instances and launch:
             group_size = len(self.graph.groups[instances[0][0]])
-            host = self.host(f"call.{name}", self.implementation.call_host_s(count, group_size), step, sync)
-            deps = [*deps, host]
+            seconds = self.implementation.call_host_s(count, group_size)
+            if self.implementation.calls_from_comm_threads and self.implementation.host:
+                # the stream's own thread pays the call (and waits for ``sync`` first)
+                if seconds > 0 or any(sync):
+                    deps = [*deps, {lane: self.graph.compute(lane, f"call.{name}", "host", {},
+                                                             [*(d[lane] for d in deps if d and lane in d),
+                                                              *(d.get(lane) for d in sync if d)],
+                                                             stream=stream, step=step, duration_s=seconds)
+                                    for lane in self.lanes}]
+            else:
+                host = self.host(f"call.{name}", seconds, step, sync)
+                deps = [*deps, host]
         ids: Ids = {}
         for group, participants in instances:
             dep_ids = [d[lane] for d in deps if d for lane in participants if lane in d]
@@ -237,7 +247,8 @@ class Emitter:
         issues the collective ``calls`` ((count, group size) each) that follow it in the unit."""
         impl = self.implementation
         seconds = impl.launch_s(kernels) + sum(impl.call_host_s(count, size) for count, size in calls)
-        launch = self.host(f"launch.{name}", seconds, step)
+        # on a synchronous device the launching thread runs the previous kernel first
+        launch = self.host(f"launch.{name}", seconds, step, [self.last_compute] if impl.synchronous else ())
         ids = {
             lane: self.graph.compute(
                 lane, name, category, work.flops(), [d.get(lane) for d in [*deps, launch] if d],
@@ -303,8 +314,11 @@ class ShardedParams:
         self.gather_element_bytes = {"fwd": schedule.forward_gather_bytes_per_element or self.param_element_bytes, "bwd": self.param_element_bytes}
         self.reduce_element_bytes = schedule.grad_reduce_bytes_per_element or self.grad_element_bytes
         largest = max(self.params, default=0.0)
-        static = {"params": self.total * self.param_element_bytes / p, "grads": self.total * self.grad_element_bytes / g,
-                  "optimizer": 12.0 * self.total / o}
+        # the implementation's layout: DeepSpeed/Megatron keep an fp32 master copy in the
+        # optimizer, FSDP2/DTensor keep the fp32 parameter itself (Implementation.master_weights)
+        per_param = schedule.implementation.state_bytes_per_param(self.param_element_bytes, self.grad_element_bytes)
+        static = {"params": self.total * per_param["params"] / p, "grads": self.total * per_param["grads"] / g,
+                  "optimizer": per_param["optimizer"] * self.total / o}
         if schedule.backward_gather_size and p > 1:  # hpZ keeps a secondary (intra-node) shard
             static["params"] += self.total * self.param_element_bytes / schedule.backward_gather_size
         # Gather and gradient buffers: a fixed ring allocated once, or allocated per use, in

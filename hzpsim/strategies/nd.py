@@ -16,7 +16,7 @@ span tp x cp x dp ranks). Run with::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from hzpsim.cluster.placement import Placement, expert_placement
@@ -227,8 +227,10 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
         start += count
     bounds[0].insert(0, 0)
     bounds[-1].append(len(units) - 1)
+    plan = schedule(config)
+    plan = replace(plan, implementation=plan.implementation.on_device(topology.device))  # measured host costs
     stages = [_Stage(graph=graph, lanes=lanes, rank=s, lay=lay, bounds=bounds, units=units, training=training,
-                     schedule=schedule(config), zero_stage=config.zero_stage)
+                     schedule=plan, zero_stage=config.zero_stage)
               for s, lanes in enumerate(stage_lanes)]
     sends: dict[tuple[str, int, int], Ids] = {}  # (direction, virtual stage, micro-batch) -> send op ids
     for step in range(training.num_steps):

@@ -18,20 +18,24 @@ from typing import NamedTuple
 
 
 class Gemm(NamedTuple):
-    """``calls`` GEMMs of an (M×K)·(K×N) product: ``2·M·N·K·calls`` FLOPs."""
+    """``calls`` kernels, each a batch of ``batch`` (M×K)·(K×N) products run as one batched or
+    grouped GEMM (cuBLAS strided-batched: the unfused attention's score and value products,
+    an MoE layer's experts), whose tiles share the SMs: ``2·M·N·K·batch·calls`` FLOPs."""
 
     m: float
     n: float
     k: float
     calls: float = 1.0
+    batch: float = 1.0
 
     @property
     def flops(self) -> float:
-        return 2.0 * self.m * self.n * self.k * self.calls
+        return 2.0 * self.m * self.n * self.k * self.batch * self.calls
 
     def backward(self) -> tuple[Gemm, Gemm]:
         """The data-gradient (M×N)·(N×K) and weight-gradient (K×M)·(M×N) GEMMs of this one."""
-        return Gemm(self.m, self.k, self.n, self.calls), Gemm(self.k, self.n, self.m, self.calls)
+        return (Gemm(self.m, self.k, self.n, self.calls, self.batch),
+                Gemm(self.k, self.n, self.m, self.calls, self.batch))
 
 
 class Attention(NamedTuple):

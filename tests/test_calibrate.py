@@ -133,3 +133,11 @@ def test_calibrate_measured_writes_a_profile_run_uses(tmp_path: Path, capsys: py
     assert predicted == pytest.approx(measured[1].measured_tokens_per_s_per_device, rel=0.02)
     assert main(["run", str(sc), "--json"]) == 0  # the shipped fit predicts something else
     assert json.loads(capsys.readouterr().out)["tokens_per_s_per_device"] != pytest.approx(predicted, rel=0.02)
+
+
+def test_constants_doc_table_is_the_shipped_profile() -> None:
+    """docs/hardware-constants.md holds the shipped fit's table (regenerate: print
+    hzpsim.calibrate.constants_table(hzpsim.calibration.profile.load(DEFAULT_PATH)))."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "hardware-constants.md").read_text()
+    block = doc.split("<!-- calibration:begin -->\n", 1)[1].split("<!-- calibration:end -->", 1)[0]
+    assert block.strip() == calibrate.constants_table(calibration.load(calibration.DEFAULT_PATH)).strip()

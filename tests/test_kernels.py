@@ -178,3 +178,17 @@ def test_power_limit_is_a_cluster_field_and_checked() -> None:
                                "training": {"global_batch_size": 16, "flash_attention": False,
                                             "attention_kernel": "cudnn"}})
     assert not math.isnan(capped.topology.device.peak_bf16_flops_per_s)
+
+
+def test_batched_gemm_tiles_share_the_waves() -> None:
+    """cuBLAS's strided-batched and grouped kernels (unfused attention's products, an MoE
+    layer's experts) spread all the batch's tiles over the SMs: 64 expert GEMMs of
+    2048×2048×4096 in one kernel waste far less to wave quantisation than 64 kernels of 128
+    tiles each on 108 SMs."""
+    cm = _a100()
+    one_kernel = cm.gemm_s(2048, 2048, 4096, batch=64)
+    separate = 64 * cm.gemm_s(2048, 2048, 4096)
+    assert one_kernel < 0.8 * separate
+    ideal = 64 * 2.0 * 2048 * 2048 * 4096 / (get_device("a100-80gb").peak_bf16_flops_per_s * cm.efficiency.gemm)
+    assert ideal <= one_kernel < 1.05 * ideal  # 8,192 tiles: 76 waves, nearly full
+    assert Gemm(2048, 2048, 96, 1.0, 384).flops == 384 * Gemm(2048, 2048, 96).flops

@@ -172,33 +172,34 @@ class ComputeModel:
         self._operand_bytes = 1 if dtype == "fp8" else (4 if dtype == "fp32" else 2)
         self._sm_rate = self._rate["gemm"] / device.num_sms if device.num_sms else 0.0
         self._group = DEVICE_GROUP.get(device.name)
-        self._gemm_s: dict[tuple[float, float, float], float] = {}
+        self._gemm_s: dict[tuple[float, float, float, float], float] = {}
         self._shapes_s: dict[tuple[Shape, ...], float] = {}
 
-    def gemm_s(self, m: float, n: float, k: float) -> float:
-        """Seconds of one M×N×K GEMM: the best tiling and split-K over the device's SMs, never
-        faster than its operands' HBM traffic (a rate-only device: FLOPs / large-GEMM rate)."""
-        key = (m, n, k)
+    def gemm_s(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        """Seconds of one M×N×K GEMM (or one batched kernel of ``batch`` of them, whose tiles
+        share the waves): the best tiling and split-K over the device's SMs, never faster than
+        its operands' HBM traffic (a rate-only device: FLOPs / large-GEMM rate)."""
+        key = (m, n, k, batch)
         cached = self._gemm_s.get(key)
         if cached is not None:
             return cached
-        flops = 2.0 * m * n * k
+        flops = 2.0 * m * n * k * batch
         if not self._sm_rate or flops <= 0:
             seconds = flops / self._rate["gemm"]
         else:
             sms = self.device.num_sms or 1
             best = math.inf
             for tm, tn in TILES:
-                tiles = math.ceil(m / tm) * math.ceil(n / tn)
+                tiles = math.ceil(m / tm) * math.ceil(n / tn) * math.ceil(batch)
                 tile_s = 2.0 * tm * tn * k / (self._sm_rate * tile_rate_fraction(tm, tn))
                 for split in SPLIT_K:
                     if split > 1 and tiles * split > 2 * sms:
                         break
                     waves = math.ceil(tiles * split / sms)
                     # split-K partial sums: written and read back once per extra split (fp32)
-                    reduce_s = (split - 1) * m * n * 8 / self._hbm_bytes_per_s
+                    reduce_s = (split - 1) * m * n * batch * 8 / self._hbm_bytes_per_s
                     best = min(best, waves * tile_s / split + reduce_s)
-            memory_s = (m * k + k * n + m * n) * self._operand_bytes / self._hbm_bytes_per_s
+            memory_s = (m * k + k * n + m * n) * batch * self._operand_bytes / self._hbm_bytes_per_s
             seconds = max(best, memory_s)
         self._gemm_s[key] = seconds
         return seconds
@@ -226,7 +227,7 @@ class ComputeModel:
             seconds = 0.0
             for s in shapes:
                 if isinstance(s, Gemm):
-                    seconds += s.calls * self.gemm_s(s.m, s.n, s.k)
+                    seconds += s.calls * self.gemm_s(s.m, s.n, s.k, s.batch)
                 else:
                     seconds += self.attention_s(s)
             self._shapes_s[shapes] = seconds
@@ -239,7 +240,7 @@ class ComputeModel:
         if op.shapes:
             for s in op.shapes:
                 if isinstance(s, Gemm):
-                    out["gemm"] += s.calls * self.gemm_s(s.m, s.n, s.k)
+                    out["gemm"] += s.calls * self.gemm_s(s.m, s.n, s.k, s.batch)
                 else:
                     out["attention"] += self.attention_s(s)
         else:

@@ -200,7 +200,8 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         attn_scores: list[Gemm] = []
     else:  # the score and value products as batched GEMMs over every (query, key) pair
         attn_core = []
-        attn_scores = [Gemm(model.seq_len / c, model.seq_len, d_qk, heads), Gemm(model.seq_len / c, d_v, model.seq_len, heads)]
+        attn_scores = [Gemm(model.seq_len / c, model.seq_len, d_qk, 1.0, heads),
+                       Gemm(model.seq_len / c, d_v, model.seq_len, 1.0, heads)]  # one batched kernel each
     for i in range(model.num_layers):
         linears = model.layer_linears(i)
         attn_gemms = _gemms(linears["attention"], local, t)
@@ -231,12 +232,13 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         if moe:
             assert model.moe is not None
             k = model.moe.top_k
-            # grouped GEMMs: this rank's E/ep experts share the sp_tokens·k routed copies (×
+            # one grouped GEMM per linear (Megatron's GroupedMLP / TE grouped GEMM): this rank's
+            # E/ep experts, batched, share the sp_tokens·k routed copies (×
             # the busiest rank's imbalance), expert weights split by etp
             local_experts = model.moe.num_experts / deg.ep
             per_expert = sp_tokens * k * deg.moe_imbalance / local_experts
             mlp_gemms = [*_gemms(linears["mlp"], local, t), *_gemms(linears["router"], sp_tokens, 1),
-                         *(g._replace(calls=local_experts) for g in _gemms(linears["expert"], per_expert, deg.etp))]
+                         *(g._replace(batch=local_experts) for g in _gemms(linears["expert"], per_expert, deg.etp))]
             dense_params = model.attention_params() / t + norms + model.router_params() + (
                 model.moe.num_shared_experts * model.shared_expert_params() / t
             )

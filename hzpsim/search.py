@@ -712,6 +712,9 @@ class Bounder:
             self._last_action[key] = nd.pipeline_actions(p, v, m, 0)[-1]
         return self._last_action[key]
 
+    def actions(self, p: int, v: int, m: int, s: int) -> list[tuple[str, int, int]]:
+        return nd.pipeline_actions(p, v, m, s)
+
     def costs(self, precision: str, variability: bool = True) -> _Costs:
         key = (precision, variability)
         if key not in self._costs:
@@ -726,11 +729,14 @@ class Bounder:
                                            mp_units(sc.model, training, deg), deg, sc.topology.num_devices, pp)
         return self._units[key]
 
-    def __call__(self, candidate: Candidate) -> Bound:
+    def __call__(self, candidate: Candidate, refine: bool = False) -> Bound:
+        """The bounds; ``refine`` adds what is too slow to compute for every candidate (for the
+        few the search is about to simulate): ND stages replayed with every micro-batch's
+        data-parallel collectives."""
         cfg = choice_of(candidate).config
         training = _training(self.scenario, candidate)
         if candidate.name == "nd":
-            return _nd_bound(self, cfg, training)
+            return _nd_bound(self, cfg, training, refine)
         return _family_bound(self, candidate.name, cfg, training)
 
 
@@ -748,7 +754,7 @@ def _norm_s(costs: _Costs, n: int) -> float:
     return costs.collective_s("all_reduce", 4.0, range(n))
 
 
-def _nd_bound(bounder: Bounder, cfg: Any, training) -> Bound:
+def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bound:
     scenario = bounder.scenario
     topology = scenario.topology
     n = topology.num_devices
@@ -813,6 +819,8 @@ def _nd_bound(bounder: Bounder, cfg: Any, training) -> Bound:
     # the chain: fill (chunk 0 of micro-batch 0 through the stages, each behind its own step-end
     # gathers), each stage's own work, drain (chunk 0 of the last micro-batch back), reductions
     ends: list[float] = []
+    first_starts: list[float] = []
+    readies: list[list[float]] = []
     arrival = -math.inf
     stage_dp: list[list[_DPUnit]] = []
     for s in range(p):
@@ -826,7 +834,17 @@ def _nd_bound(bounder: Bounder, cfg: Any, training) -> Bound:
         ready0 = release - early[s]
         all_gathered = ready0 + sum(d.step_ag for d in dpu)
         t = max(release, arrival)
+        first_starts.append(t)
         t_dp = t_ag = ready0
+        stage_ready = [ready0] * len(dpu)  # when each local unit's parameters are ready
+        for i, d in enumerate(dpu):
+            if d.step_ag:
+                t_dp += d.step_ag
+                stage_ready[i] = t_dp
+        if not schedule.overlap_param_gather:
+            stage_ready = [all_gathered] * len(dpu)
+        readies.append(stage_ready)
+        t_dp = ready0
         for k in range(lo, hi):
             d = dpu[k - lo]
             ready = ready0
@@ -901,6 +919,9 @@ def _nd_bound(bounder: Bounder, cfg: Any, training) -> Bound:
         tails.append(ready - z)
         norm_ready = max(norm_ready, ready)
         exposed.append(last_chain)
+    if refine and (ps > 1 or gs > 1):
+        norm_ready = max(norm_ready, _nd_replay(bounder, unit_costs, spans, p, v, m, stage_dp, readies, first_starts,
+                                                schedule))
     chain = norm_ready + norm + max(opt_lo) - max_up
     critical = max(range(p), key=lambda s: (ends[s] + tails[s], -s))
 
@@ -930,6 +951,56 @@ def _nd_bound(bounder: Bounder, cfg: Any, training) -> Bound:
     w, tk = work[critical], talk[critical]
     exp = tails[critical] + norm + heads[critical]
     return Bound(step, w, tk, max(0.0, chain - w - exp), memory, window, window > chain, exp)
+
+
+def _nd_replay(bounder: Bounder, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,
+               stage_dp: list[list[_DPUnit]], readies: list[list[float]], first_starts: list[float],
+               schedule: Schedule) -> float:
+    """When the norm can start at the earliest, by each stage's own schedule replayed unit by
+    unit with its per-micro-batch data-parallel collectives (ZeRO-2/3: every backward's
+    reduce-scatter and the gradient-buffer ring it fills, ZeRO-3: every use's gather and the
+    prefetch ring), ignoring the other stages after the first forward's arrival."""
+    depth, slots = schedule.effective_prefetch_depth, schedule.reduce_buffers
+    reshard = schedule.reshard_after_forward
+    out = -math.inf
+    for s in range(p):
+        dpu, ready = stage_dp[s], readies[s]
+        offset = [0]
+        for c in range(v):
+            lo, hi = spans[c * p + s]
+            offset.append(offset[-1] + hi - lo)
+        t, after = first_starts[s], 0.0
+        t_ag = t_rs = -math.inf
+        consumed: list[float] = []
+        scatters: list[float] = []
+        last_rs = -math.inf
+        for kind, c, mb in bounder.actions(p, v, m, s):
+            lo, hi = spans[c * p + s]
+            forward = kind == "F"
+            for k in (range(lo, hi) if forward else range(hi - 1, lo - 1, -1)):
+                i = offset[c] + k - lo
+                d, uc = dpu[i], unit_costs[k]
+                start = t + after
+                gathered = bool(d.gather_fwd) if forward else bool(d.gather_bwd and reshard)
+                if gathered:
+                    slot = len(consumed) - depth - 1
+                    t_ag = max(t_ag, ready[i], consumed[slot] if slot >= 0 else -math.inf) + (
+                        d.gather_fwd if forward else d.gather_bwd)
+                    start = max(start, t_ag)
+                elif forward and mb == 0:
+                    start = max(start, ready[i])
+                if not forward and d.reduce and len(scatters) >= slots:
+                    start = max(start, scatters[-slots])
+                t = start + (uc.forward_s if forward else uc.backward_s)
+                after = uc.after_forward_s if forward else uc.after_backward_s
+                if gathered:
+                    consumed.append(t)
+                if not forward and d.reduce:
+                    t_rs = max(t_rs, t) + d.reduce
+                    scatters.append(t_rs)
+                    last_rs = t_rs
+        out = max(out, t, last_rs)
+    return out
 
 
 def _family_bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
@@ -1279,6 +1350,9 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
                 lb = row.bound.step_time_s  # type: ignore[union-attr]
                 threshold = max(feasible_steps[top - 1] if len(feasible_steps) >= top else math.inf,
                                 family_best.get(row.candidate.name, math.inf))
+                if not exhaustive and lb <= threshold and row.candidate.name == "nd":
+                    row.bound = bounder(row.candidate, refine=True)  # worth it for the few about to run
+                    lb = row.bound.step_time_s
                 if exhaustive or lb <= threshold:
                     if max_evals is not None and evals >= max_evals:
                         row.status, row.reason = "skipped", "not evaluated (--max-evals)"

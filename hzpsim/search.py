@@ -13,12 +13,15 @@ by branch and bound, exactly:
 1. every candidate is checked by its plugin (``check``: layouts that cannot run are *invalid*);
 2. two cheap analytic bounds (:func:`bound`), no graph built: a lower bound on peak memory
    (resident model states plus the activations a schedule must hold before its first backward)
-   and a lower bound on step time (the busiest rank's compute-stream work at the isolated
-   kernel and collective rates the engine can only slow down, plus the pipeline fill and drain
-   it cannot avoid). A candidate whose memory bound exceeds the device is *pruned (memory)*;
+   and a lower bound on step time (:class:`Bounder`: the step's dependency chain replayed at
+   the least durations the engine can give its ops, stragglers' expected waits included, and
+   the time the rank must spend talking). A candidate whose memory bound exceeds the device is
+   *pruned (memory)*;
 3. the rest are simulated in order of their step-time bound, in fixed batches, and a candidate
    whose bound exceeds both the N-th best fitting step time found so far and its family's best
-   is *pruned (bound)*: it can enter neither the top N nor its family's best.
+   is *pruned (bound)*: it can enter neither the top N nor its family's best. An ND candidate
+   whose bound passes gets a refined one first (its stages replayed micro-batch by
+   micro-batch), which may still prune it.
 
 Both bounds are tested against simulated values (``tests/test_search.py``), and the search's
 answers against an exhaustive simulation of the same space. Batches are fixed, so the same

@@ -47,7 +47,8 @@ def line(name: str, result: S.SearchResult) -> str:
     assert best is not None and best.report is not None
     return (f"{name:<12} wall {result.wall_s:7.1f} s  candidates {data['num_candidates']:,} "
             f"({data['num_candidates'] / result.wall_s:,.0f}/s)  invalid {data['num_invalid']:,}  "
-            f"pruned {data['num_pruned']:,} (memory {data['num_pruned_memory']:,}, bound {data['num_pruned_bound']:,})  "
+            f"pruned {data['num_pruned']:,} ({data['num_pruned'] / result.wall_s:,.0f}/s; memory "
+            f"{data['num_pruned_memory']:,}, bound {data['num_pruned_bound']:,})  "
             f"simulated {data['num_simulated']:,} ({data['num_simulated'] / result.wall_s:.2f}/s)\n"
             f"{'':<12} best {best.candidate.label()}: {best.report['step_time_s']:.3f} s/step, "
             f"{best.report['mfu']:.1%} MFU, {best.report['peak_memory_bytes'] / 2**30:.1f} GiB")

@@ -13,12 +13,15 @@ by branch and bound, exactly:
 1. every candidate is checked by its plugin (``check``: layouts that cannot run are *invalid*);
 2. two cheap analytic bounds (:func:`bound`), no graph built: a lower bound on peak memory
    (resident model states plus the activations a schedule must hold before its first backward)
-   and a lower bound on step time (the busiest rank's compute-stream work at the isolated
-   kernel and collective rates the engine can only slow down, plus the pipeline fill and drain
-   it cannot avoid). A candidate whose memory bound exceeds the device is *pruned (memory)*;
+   and a lower bound on step time (:class:`Bounder`: the step's dependency chain replayed at
+   the least durations the engine can give its ops, stragglers' expected waits included, and
+   the time the rank must spend talking). A candidate whose memory bound exceeds the device is
+   *pruned (memory)*;
 3. the rest are simulated in order of their step-time bound, in fixed batches, and a candidate
    whose bound exceeds both the N-th best fitting step time found so far and its family's best
-   is *pruned (bound)*: it can enter neither the top N nor its family's best.
+   is *pruned (bound)*: it can enter neither the top N nor its family's best. An ND candidate
+   whose bound passes gets a refined one first (its stages replayed micro-batch by
+   micro-batch), which may still prune it.
 
 Both bounds are tested against simulated values (``tests/test_search.py``), and the search's
 answers against an exhaustive simulation of the same space. Batches are fixed, so the same
@@ -48,7 +51,8 @@ from hzpsim.report import format_summary
 from hzpsim.scenario import Scenario, StrategyChoice
 from hzpsim.sim.collectives import CollectiveModel
 from hzpsim.sim.compute import ComputeModel
-from hzpsim.strategies import _family, _implementations, nd
+from hzpsim.sim.variability import expected_max_excess
+from hzpsim.strategies import _family, nd
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._implementations import Implementation
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
@@ -300,60 +304,95 @@ class Bound:
     """Lower bounds of what the simulator would report for one candidate."""
 
     step_time_s: float  # <= simulated step_time_s
-    compute_s: float  # busiest rank's compute-stream work (kernels at isolated rates)
-    comm_s: float  # of which: collectives on the compute stream (TP, EP), at isolated times
-    bubble_s: float  # pipeline fill and drain the busiest stage cannot avoid
+    compute_s: float  # critical rank's compute-stream work: kernels at best-case rates, TP/EP collectives
+    comm_s: float  # of which: collectives on the compute stream (TP, EP) and the stragglers they wait for
+    bubble_s: float  # pipeline fill and drain the critical stage cannot avoid
     memory_bytes: float  # <= simulated peak_memory_bytes
-    link_s: float = 0.0  # busiest link's bytes (data-parallel gathers/reductions, TP, EP) at full rate
-    link_limited: bool = False  # the link-traffic term, not the compute stream, set step_time_s
+    link_s: float = 0.0  # least talking time: busiest link's bytes at full rate, or busiest communication stream
+    link_limited: bool = False  # the talking term, not the compute-stream chain, set step_time_s
+    exposed_s: float = 0.0  # data-parallel gathers before the first forward, reductions after the last backward
 
     @property
     def limited_by(self) -> str:
         """What makes this candidate slow, by its bound."""
         if self.link_limited:
             return "communication (bytes on the links)"
-        if self.bubble_s > self.comm_s and self.bubble_s > 0.02 * self.step_time_s:
+        if self.bubble_s > max(self.comm_s, self.exposed_s) and self.bubble_s > 0.02 * self.step_time_s:
             return "pipeline bubble"
-        if self.comm_s > 0.02 * self.step_time_s:
+        if self.comm_s >= self.exposed_s and self.comm_s > 0.02 * self.step_time_s:
             return "exposed TP/EP communication"
+        if self.exposed_s > 0.02 * self.step_time_s:
+            return "exposed data-parallel communication"
         return "more compute (recompute, imbalance, optimizer)"
 
 
 class _Costs:
-    """Isolated seconds of kernels and collectives on one topology and precision."""
+    """Least seconds of kernels and collectives on one topology and precision.
 
-    def __init__(self, scenario: Scenario, training) -> None:
+    Kernels: :meth:`ComputeModel.duration_s` of a stand-in op carrying only GEMM FLOP totals and
+    HBM bytes, i.e. the model's large-GEMM rate, which per-kernel effects (tile and wave
+    quantisation of a GEMM's shape) can only slow down; attention FLOPs at the device's dense
+    peak, which no kernel exceeds. Collectives: NCCL's isolated time (``CollectiveModel.plan``),
+    stretched, when ``variability`` is credited, by the ``1 + cv · E[max]`` every ring step of
+    the symmetric simulation takes (``sim/variability.py``)."""
+
+    def __init__(self, scenario: Scenario, precision: str, variability: bool) -> None:
         topology = scenario.topology
         self.topology = topology
-        self.compute = ComputeModel(topology.device, training.precision)
+        self.compute = ComputeModel(topology.device, precision)
         self.collectives = CollectiveModel(topology)
         self.slowdown = self.compute.efficiency.comm_overlap_slowdown
-        self._spans: dict[tuple[int, ...], Any] = {}
+        self.cv = float(topology.spec.variability) if variability else 0.0
+        self._spans: dict[Any, Any] = {}
+        self._work: dict[tuple[float, float, float, float], float] = {}
 
     def work_s(self, work: Work) -> float:
-        op = SimpleNamespace(duration_s=0.0, flops=tuple((k, v) for k, v in work.flops().items() if v),
-                             bytes_accessed=work.bytes_accessed, shapes=work.shapes)
-        return self.compute.duration_s(op)  # type: ignore[arg-type]
+        key = (work.gemm, work.attention_forward, work.attention_backward, work.bytes_accessed)
+        seconds = self._work.get(key)
+        if seconds is None:
+            op = SimpleNamespace(duration_s=0.0, flops=(("gemm", work.gemm),) if work.gemm else (),
+                                 bytes_accessed=work.bytes_accessed, shapes=())
+            seconds = self.compute.duration_s(op)  # type: ignore[arg-type]
+            seconds += (work.attention_forward + work.attention_backward) / self.compute.peak_flops_per_s
+            self._work[key] = seconds
+        return seconds
+
+    def stretch(self, group_size: int) -> float:
+        """Factor on a collective's time over ``group_size`` ranks (waiting for the slowest step)."""
+        return 1.0 + self.late(group_size)
+
+    def late(self, group_size: int) -> float:
+        """A rendezvous of ``group_size`` ranks starts this many seconds late per second of device
+        work its ranks did since their previous rendezvous (the symmetric run's expectation)."""
+        return self.cv * expected_max_excess(group_size) if self.cv and group_size > 1 else 0.0
 
     def collective_s(self, kind: str, size: float, ranks: Sequence[int], count: int = 1) -> float:
         if not count or size <= 0 or len(ranks) < 2:
             return 0.0
-        return self.collectives.plan(kind, size, self._span(ranks)).isolated_time_s * count
+        return self.collectives.plan(kind, size, self._span(ranks)).isolated_time_s * count * self.stretch(len(ranks))
+
+    def send_s(self, size: float, src: int, dst: int) -> float:
+        """A point-to-point send (never stretched: a stage already waits for its neighbour)."""
+        if size <= 0 or src == dst:
+            return 0.0
+        plan = self.collectives.plan("send_recv", size, self._span((src, dst)), self.topology.level_between(src, dst))
+        return plan.isolated_time_s
 
     def _span(self, ranks: Sequence[int]):
-        key = tuple(ranks)
+        key = ranks if isinstance(ranks, range) else tuple(ranks)
         span = self._spans.get(key)
         if span is None:
-            span = self._spans[key] = self.topology.span(list(ranks))
+            span = self._spans[key] = self.topology.span(key)
         return span
 
     def add_demand(self, demand: dict[str, float], kind: str, size: float, ranks: Sequence[int],
                    count: float = 1) -> None:
-        """Add the bytes a collective puts on each of a rank's links (per level)."""
+        """Add the bytes a collective puts on each of a rank's links (per level), stretched."""
         if not count or size <= 0 or len(ranks) < 2:
             return
+        factor = count * self.stretch(len(ranks))
         for level, b in self.collectives.plan(kind, size, self._span(ranks)).demand_by_level.items():
-            demand[level] = demand.get(level, 0.0) + b * count
+            demand[level] = demand.get(level, 0.0) + b * factor
 
     def link_s(self, demand: dict[str, float]) -> float:
         """Least time a rank's links need to carry ``demand`` (each level at its full rate)."""
@@ -362,33 +401,74 @@ class _Costs:
 
 @dataclass(frozen=True)
 class _UnitCost:
-    forward_s: float  # compute + compute-stream collectives of one micro-batch's forward
+    forward_s: float  # compute-stream time of one micro-batch's forward: kernels, TP/EP collectives, waits
     backward_s: float
-    comm_s: float  # forward + backward compute-stream collectives
+    comm_s: float  # forward + backward compute-stream collectives and the stragglers they wait for
     activation_bytes: float
     dense_params: float
     expert_params: float
     link_bytes: tuple[tuple[str, float], ...] = ()  # per micro-batch, by level: TP/EP bytes (fwd + bwd)
+    p2p_bytes: float = 0.0  # activation handed to the next pipeline stage
+    tensors: tuple[float, ...] = ()  # dense parameter tensors (the implementation's collective calls)
+    after_forward_s: float = 0.0  # the compute stream's next kernel waits this long after the forward
+    after_backward_s: float = 0.0
+
+    @property
+    def forward_and_wait_s(self) -> float:
+        return self.forward_s + self.after_forward_s
+
+    @property
+    def backward_and_wait_s(self) -> float:
+        return self.backward_s + self.after_backward_s
 
 
 def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: int, pp: int) -> list[_UnitCost]:
-    tp_ranks = list(range(deg.tp))
+    """Each unit's forward and backward on the compute stream. A TP or EP collective that
+    directly follows a compute op rendezvouses with a stretch of device work at least that op
+    long behind it, so it starts ``late(group)`` × that op's time late (``Stragglers.delay_s``:
+    W >= the last stretch); one that follows another collective is charged no wait. The engine
+    then makes the rank's next kernel wait for that straggler again, counting from the end of
+    the stream's previous op (``Engine._stream``: ``waited_s`` starts at ``previous_end_s``, the
+    collective's end): ``after_*_s``, which delays the next kernel on the same stream but not
+    what depends on the collective itself (sends, reductions)."""
+    tp_ranks = range(deg.tp)
     ep_ranks = list(expert_placement(n, deg.ep, deg.etp, pp).group("ep", 0)) if deg.ep > 1 else []
+    late_tp, late_ep = costs.late(deg.tp), costs.late(len(ep_ranks))
     out = []
     for u in units:
+        w = costs.work_s
         exposed = 1 - deg.tp_comm_overlap
         tp_f = sum(costs.collective_s(k, b * exposed, tp_ranks, c) for k, c, b in u.tp_calls(True))
         tp_b = sum(costs.collective_s(k, b * exposed, tp_ranks, c) for k, c, b in u.tp_calls(False))
-        ep = costs.collective_s("all_to_all", u.ep_bytes, ep_ranks, 2) if (u.is_moe and u.ep_bytes) else 0.0
-        fwd = costs.work_s(u.pre) + costs.work_s(u.remote) + costs.work_s(u.post) + tp_f + ep
-        bwd = costs.work_s(u.backward) + costs.work_s(u.backward_remote) + tp_b + ep
+        moe = bool(u.is_moe and u.ep_bytes)
+        a2a = costs.collective_s("all_to_all", u.ep_bytes, ep_ranks) if moe else 0.0
+        pre, remote, post, back, back_remote = (w(u.pre), w(u.remote), w(u.post), w(u.backward),
+                                                w(u.backward_remote))
+        cp = bool(u.cp_bytes)
+        wait_tp_f = late_tp if tp_f else 0.0
+        wait_tp_b = late_tp if tp_b else 0.0
+        if not cp and not moe:  # one compute op, then the TP all-reduces
+            wait_f = after_f = wait_tp_f * (pre + post)
+            wait_b = after_b = wait_tp_b * back
+        elif moe:  # (remote) TP, dispatch, experts, combine; backward: combine, main, (remote), dispatch, TP
+            before = remote if cp else pre
+            first = wait_tp_f * before if tp_f else late_ep * before  # TP's, or the dispatch's
+            after_f = late_ep * post  # the combine's
+            wait_f = 2 * first + after_f  # the experts wait for the first straggler again
+            wait_b = after_b = late_ep * (back_remote if cp else back)  # the dispatch's
+        else:  # context parallel: the TP all-reduces follow the MLP (or the remote attention)
+            wait_f = after_f = wait_tp_f * (post if u.post else remote)
+            wait_b = after_b = wait_tp_b * back_remote
+        fwd = pre + remote + post + tp_f + 2 * a2a + wait_f
+        bwd = back + back_remote + tp_b + 2 * a2a + wait_b
         demand: dict[str, float] = {}
         for k, c, b in [*u.tp_calls(True), *u.tp_calls(False)]:
             costs.add_demand(demand, k, b * exposed, tp_ranks, c)
-        if u.is_moe and u.ep_bytes:
+        if moe:
             costs.add_demand(demand, "all_to_all", u.ep_bytes, ep_ranks, 4)
-        out.append(_UnitCost(fwd, bwd, tp_f + tp_b + 2 * ep, u.activation_bytes, u.dense_params, u.expert_params,
-                             tuple(sorted(demand.items()))))
+        out.append(_UnitCost(fwd, bwd, tp_f + tp_b + 4 * a2a + wait_f + wait_b, u.activation_bytes, u.dense_params,
+                             u.expert_params, tuple(sorted(demand.items())), u.p2p_bytes,
+                             tuple(u.tensors) or (u.dense_params,), after_f, after_b))
     return out
 
 
@@ -440,48 +520,170 @@ def _sharded_demand(costs: _Costs, demand: dict[str, float], params: Sequence[fl
             costs.add_demand(demand, "all_gather", unit_params / p * bw, members("step_ag"), k)
 
 
+@dataclass(frozen=True)
+class _DPUnit:
+    """Least seconds of one unit's data-parallel collectives (``_sharded.ShardedParams``), in
+    the calls its implementation issues, stretched for stragglers."""
+
+    gather_fwd: float = 0.0  # the forward's all-gather (ag stream), every micro-batch
+    gather_bwd: float = 0.0  # the backward's (re-)gather
+    reduce: float = 0.0  # the backward's reduce-scatter (rs stream), every micro-batch
+    step_rs: float = 0.0  # step end (dp stream): reduce-scatter over the optimizer group
+    replica_ar: float = 0.0  # step end: all-reduce over the replicas
+    step_ag: float = 0.0  # after the optimizer (dp stream): all-gather of the updated shard
+
+
+def _dp_units(costs: _Costs, units: Sequence[_UnitCost], sizes: tuple[int, int, int], dp_group: Sequence[int],
+              training, schedule: Schedule) -> list[_DPUnit]:
+    p, g, o = sizes
+    sharding = NestedSharding(p, g, o, (tuple(dp_group),))
+    rank = dp_group[0]
+    impl = schedule.implementation
+    full = training.activation_recompute == "full"
+    regather = full and impl.regather_for_recompute
+    bw, bg = training.param_element_bytes, training.grad_element_bytes
+    forward_bytes = schedule.forward_gather_bytes_per_element or bw
+    reduce_bytes = schedule.grad_reduce_bytes_per_element or bg
+    replicas = len(dp_group) // o
+    inner, secondary = schedule.hierarchical_gather, schedule.backward_gather_size
+    cs = costs.collective_s
+
+    def members(role: str, size: int = 1) -> Sequence[int]:
+        return sharding.group_of(role, rank, size)[1]
+
+    def gather(x: float, per_element: float, share: float, calls: int, backward: bool) -> float:
+        count = max(calls, 1)
+        size = x * per_element * share / count
+        if backward and secondary:
+            return cs("all_gather", size, members("secondary", secondary), count)
+        if inner > 1:
+            return (cs("all_gather", size / inner, members("param_outer", inner), count)
+                    + cs("all_gather", size, members("param_inner", inner), count))
+        return cs("all_gather", size, members("param"), count)
+
+    out = []
+    for u in units:
+        x, tensors = u.dense_params, u.tensors
+        if x <= 0:
+            out.append(_DPUnit())
+            continue
+        gf = gb = 0.0
+        if p > 1:
+            gathered = impl.gathered(tensors)
+            gf = gather(x, forward_bytes, 1.0, impl.gather_calls(tensors), False)
+            if schedule.reshard_after_forward:
+                again = impl.backward_gathered(tensors, full)
+                calls = (impl.gather_calls(tensors) if regather else 0) + impl.gather_calls(again)
+                share = ((1.0 if regather else 0.0) + sum(again) / max(sum(gathered), 1e-30)) if gathered else 1.0
+                gb = gather(x, bw, share, calls, True)
+        calls = max(impl.reduce_calls(tensors), 1)
+        out.append(_DPUnit(
+            gf, gb,
+            cs("reduce_scatter", x * reduce_bytes / calls, members("grad"), calls) if g > 1 else 0.0,
+            cs("reduce_scatter", x / g * bg / calls, members("step_rs"), calls) if o > g else 0.0,
+            cs("all_reduce", x / o * bg / calls, members("replica"), calls) if replicas > 1 else 0.0,
+            cs("all_gather", x / p * bw / calls, members("step_ag"), calls) if o > p else 0.0,
+        ))
+    return out
+
+
+def _whole_buffer_s(costs: _Costs, params: float, sizes: tuple[int, int, int], dp_group: Sequence[int],
+                    training, schedule: Schedule) -> float | None:
+    """The step end's one all-reduce of the whole gradient buffer (Megatron 2021), or None when
+    the implementation reduces unit by unit."""
+    p, g, o = sizes
+    if not (schedule.implementation.whole_buffer_step_reduce and o == g and len(dp_group) // o > 1):
+        return None
+    sharding = NestedSharding(p, g, o, (tuple(dp_group),))
+    replica = sharding.group_of("replica", dp_group[0])[1]
+    return costs.collective_s("all_reduce", params / o * training.grad_element_bytes, replica)
+
+
+def _stream_sums(schedule: Schedule, sums: dict[str, float]) -> float:
+    """Busiest communication stream: the roles' serial sums added per stream they run on."""
+    streams: dict[str, float] = {}
+    for role, seconds in sums.items():
+        name = schedule.stream(role)
+        streams[name] = streams.get(name, 0.0) + seconds
+    return max(streams.values(), default=0.0)
+
+
+def _slowed(kernel_s: float, talking_s: float, slowdown: float, exposed_s: float = 0.0) -> float:
+    """Least time for ``kernel_s`` of kernels on a rank that also talks for ``talking_s``, of
+    which ``exposed_s`` cannot overlap kernels: kernels run 1/(1 + slowdown) as fast while it
+    talks, so at best all the rest of the talking overlaps kernels."""
+    talking_s = max(talking_s, exposed_s)
+    overlapped = min(talking_s - exposed_s, (1 + slowdown) * kernel_s)
+    return kernel_s + talking_s - overlapped / (1 + slowdown)
+
+
 class Bounder:
     """Lower bounds on the step time and peak memory the simulator reports for a candidate of
     one scenario (caches unit costs across candidates; the candidate must be valid, see
     :func:`check`).
 
-
     Why they hold (the engine can only be slower or fuller than this):
 
-    - Step time. On each rank the compute stream runs one op at a time, in program order; the
-      reported step is the time between the last optimizer ops of the last two steps, and a
-      rank's last-step work (forwards, backwards, TP/EP collectives on the compute stream,
-      its optimizer) all comes after its previous optimizer. Kernels run at most at the
-      isolated rates of ``sim/compute`` (communication only slows them) and a collective takes
-      at least NCCL's isolated time (links are shared, never faster). With pipelining, stage
-      s's first forward waits for micro-batch 0 to pass stages 0..s-1 and stage 0's last
-      backward follows stage s's, so stage s's work is framed by that fill and drain; the
-      stages' optimizers may end apart by at most the slowed-down largest one.
+    - Step time. Each rank's streams run one op at a time, in program order, each after its
+      dependencies; the reported step lies between the optimizer ends of the last two steps,
+      and everything a rank does for its last step (forwards, backwards, the collectives they
+      wait for, the reductions the gradient norm waits for, the optimizer) falls after its
+      previous optimizer. Kernels run at most at the compute model's best-case rates
+      (communication only slows them: ``comm_overlap_slowdown``), a collective takes at least
+      NCCL's isolated time (links are shared, never faster), stretched by the expected slowest
+      ring step and, on the compute stream, started late by the expected slowest member.
+      Two bounds follow, and the larger is taken:
+
+      * the chain: a replay of the step's dependencies at those least durations — the
+        data-parallel gathers the first forward waits for (prefetch depth and buffer rings
+        included), the pipeline's fill and drain with its point-to-point sends, every
+        compute-stream op, the reductions after the last backward, the gradient norm and the
+        optimizer (for the ZeRO family every micro-batch's gathers and reductions);
+      * the talking: a rank's communication takes at least its busiest stream's serial sum
+        and its busiest link's bytes at full rate; what of it overlaps kernels slows them.
+
+      Pipeline stages restart after a common gradient-norm all-reduce (every stage waits the
+      same norm straggler: no other rendezvous of the step is later or larger), so their
+      optimizers end apart by at most the largest optimizer's time.
     - Memory. Resident model states (parameters, gradients and optimizer states in their
       shard groups) plus the activations of every forward a stage runs before its first
       backward frees any (one micro-batch through every unit without pipelining; the
       schedule's warm-up with it).
+    - Host costs (kernel launches, collective calls) are left out: without synchronisations the
+      simulated host thread runs a step ahead of the device, so they are not provably on the
+      critical path of the reported step.
     """
 
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
-        self._costs: dict[str, _Costs] = {}
+        self._costs: dict[tuple[str, bool], _Costs] = {}
         self._units: dict[tuple, list[_UnitCost]] = {}
         self._demand: dict[tuple, dict[str, float]] = {}
+        self._dp: dict[tuple, list[_DPUnit]] = {}
         self._layouts: dict[tuple, Any] = {}
         self._prefix: dict[int, tuple[list[_UnitCost], dict[str, Any]]] = {}
+        self._last_action: dict[tuple[int, int, int], tuple[str, int, int]] = {}
 
-    def sharded_demand(self, precision: str, params: Sequence[float], m: int, sizes: tuple[int, int, int],
+    def sharded_demand(self, costs: _Costs, params: Sequence[float], m: int, sizes: tuple[int, int, int],
                        dp_group: Sequence[int], training, schedule: Schedule) -> dict[str, float]:
         # with experts, the dense step-end gather may start before the experts' optimizer ends
         # (outside the window the bound looks at): left out
         step_gather = self.scenario.model.moe is None
-        key = (precision, tuple(params), m, sizes, tuple(dp_group), training.param_element_bytes, training.grad_element_bytes, schedule)
+        key = (id(costs), tuple(params), m, sizes, _range_key(dp_group), training.param_element_bytes,
+               training.grad_element_bytes, schedule)
         if key not in self._demand:
             demand: dict[str, float] = {}
-            _sharded_demand(self.costs(precision), demand, params, m, sizes, dp_group, training, schedule, step_gather)
+            _sharded_demand(costs, demand, params, m, sizes, dp_group, training, schedule, step_gather)
             self._demand[key] = demand
         return self._demand[key]
+
+    def dp_units(self, costs: _Costs, units: list[_UnitCost], lo: int, hi: int, sizes: tuple[int, int, int],
+                 dp_group: Sequence[int], training, schedule: Schedule) -> list[_DPUnit]:
+        key = (id(units), lo, hi, sizes, _range_key(dp_group), training.param_element_bytes,
+               training.grad_element_bytes, training.activation_recompute, schedule)
+        if key not in self._dp:
+            self._dp[key] = _dp_units(costs, units[lo:hi], sizes, dp_group, training, schedule)
+        return self._dp[key]
 
     def prefix(self, unit_costs: list[_UnitCost]) -> dict[str, Any]:
         """Cumulative sums over the units of each cost (sums over any run of units in O(1))."""
@@ -490,7 +692,8 @@ class Bounder:
             out: dict[str, Any] = {}
             levels = sorted({level for u in unit_costs for level, _ in u.link_bytes})
             columns = {attr: [getattr(u, attr) for u in unit_costs] for attr in
-                       ("forward_s", "backward_s", "comm_s", "activation_bytes", "dense_params", "expert_params")}
+                       ("forward_s", "backward_s", "comm_s", "activation_bytes", "dense_params", "expert_params",
+                        "forward_and_wait_s", "backward_and_wait_s")}
             for level in levels:
                 columns["link." + level] = [dict(u.link_bytes).get(level, 0.0) for u in unit_costs]
             for attr, values in columns.items():
@@ -509,23 +712,43 @@ class Bounder:
             self._layouts[key] = nd.layout(cfg, self.scenario.model, training, self.scenario.topology)
         return self._layouts[key]
 
-    def costs(self, precision: str) -> _Costs:
-        if precision not in self._costs:
-            self._costs[precision] = _Costs(self.scenario, SimpleNamespace(precision=precision))
-        return self._costs[precision]
+    def last_action(self, p: int, v: int, m: int) -> tuple[str, int, int]:
+        """The last action of every stage's pipeline schedule (the same on every stage)."""
+        key = (p, v, m)
+        if key not in self._last_action:
+            self._last_action[key] = nd.pipeline_actions(p, v, m, 0)[-1]
+        return self._last_action[key]
 
-    def units(self, training, deg: ParallelDims, pp: int) -> list[_UnitCost]:
-        key = (training.micro_batch_size, training.activation_recompute, deg, pp if deg.ep > 1 else 1)
+    def actions(self, p: int, v: int, m: int, s: int) -> list[tuple[str, int, int]]:
+        return nd.pipeline_actions(p, v, m, s)
+
+    def costs(self, precision: str, variability: bool = True) -> _Costs:
+        key = (precision, variability)
+        if key not in self._costs:
+            self._costs[key] = _Costs(self.scenario, precision, variability)
+        return self._costs[key]
+
+    def units(self, training, deg: ParallelDims, pp: int, variability: bool = True) -> list[_UnitCost]:
+        key = (training.micro_batch_size, training.activation_recompute, deg, pp if deg.ep > 1 else 1, variability)
         if key not in self._units:
             sc = self.scenario
-            self._units[key] = _unit_costs(self.costs(training.precision), mp_units(sc.model, training, deg), deg,
-                                           sc.topology.num_devices, pp)
+            self._units[key] = _unit_costs(self.costs(training.precision, variability),
+                                           mp_units(sc.model, training, deg), deg, sc.topology.num_devices, pp)
         return self._units[key]
 
-    def __call__(self, candidate: Candidate) -> Bound:
+    def __call__(self, candidate: Candidate, refine: bool = False) -> Bound:
+        """The bounds; ``refine`` adds what is too slow to compute for every candidate (for the
+        few the search is about to simulate): ND stages replayed with every micro-batch's
+        data-parallel collectives."""
         cfg = choice_of(candidate).config
         training = _training(self.scenario, candidate)
-        return _bound(self, candidate.name, cfg, training)
+        if candidate.name == "nd":
+            return _nd_bound(self, cfg, training, refine)
+        return _family_bound(self, candidate.name, cfg, training)
+
+
+def _range_key(ranks: Sequence[int]) -> Any:
+    return (ranks.start, ranks.stop, ranks.step) if isinstance(ranks, range) else tuple(ranks)
 
 
 def bound(scenario: Scenario, candidate: Candidate) -> Bound:
@@ -533,112 +756,392 @@ def bound(scenario: Scenario, candidate: Candidate) -> Bound:
     return Bounder(scenario)(candidate)
 
 
-def _bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
+def _norm_s(costs: _Costs, n: int) -> float:
+    """The global gradient-norm all-reduce (one fp32 scalar over every rank, compute stream)."""
+    return costs.collective_s("all_reduce", 4.0, range(n))
+
+
+def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bound:
     scenario = bounder.scenario
     topology = scenario.topology
     n = topology.num_devices
-    costs = bounder.costs(training.precision)
+    deg = nd.dims(cfg)
+    lay = bounder.nd_layout(cfg, training)
+    p, v, m = cfg.pp, cfg.vpp, lay.num_micro_batches
+    # the symmetric run charges stragglers' expectations when each simulated stage stands for
+    # several devices (with one device per stage it draws them: no credit then)
+    credit = n // p > 1
+    costs = bounder.costs(training.precision, credit)
+    sd = costs.slowdown
     opt_rate = optimizer_bytes_per_param(training)
-    if name == "nd":
-        deg = nd.dims(cfg)
-        lay = bounder.nd_layout(cfg, training)
-        p, v, m = cfg.pp, cfg.vpp, lay.num_micro_batches
-        unit_costs = bounder.units(training, deg, p)
-        pre = bounder.prefix(unit_costs)
-        # units of each virtual stage, [lo, hi): the embedding on the first, the head on the last
-        edges = [0]
-        for count in lay.layers_per_virtual_stage:
-            edges.append(edges[-1] + count)
-        spans = [(0 if j == 0 else edges[j] + 1, len(unit_costs) if j == len(edges) - 2 else edges[j + 1] + 1)
-                 for j in range(len(edges) - 1)]
+    unit_costs = bounder.units(training, deg, p, credit)
+    pre = bounder.prefix(unit_costs)
+    schedule = nd.schedule(cfg)
+    # units of each virtual stage, [lo, hi): the embedding on the first, the head on the last
+    edges = [0]
+    for count in lay.layers_per_virtual_stage:
+        edges.append(edges[-1] + count)
+    spans = [(0 if j == 0 else edges[j] + 1, len(unit_costs) if j == len(edges) - 2 else edges[j + 1] + 1)
+             for j in range(len(edges) - 1)]
 
-        def run_sum(attr: str, j: int) -> float:
-            lo, hi = spans[j]
-            column = pre[attr]
-            return column[hi] - column[lo]
+    def run_sum(attr: str, j: int) -> float:
+        lo, hi = spans[j]
+        column = pre[attr]
+        return column[hi] - column[lo]
 
-        fwd = [run_sum("forward_s", j) for j in range(len(spans))]
-        bwd = [run_sum("backward_s", j) for j in range(len(spans))]
-        comm = [run_sum("comm_s", j) for j in range(len(spans))]
-        acts = [run_sum("activation_bytes", j) for j in range(len(spans))]
-        dense_dp = lay.dp * cfg.cp
-        dense_sizes = {0: (1, 1, 1), 1: (1, 1, dense_dp), 2: (1, dense_dp, dense_dp),
-                       3: (dense_dp, dense_dp, dense_dp)}[cfg.zero_stage]
-        best = (-1.0, 0.0, 0.0, 0.0)
-        memory = link = 0.0
-        opt_s = []
-        stage_work: list[tuple[float, float]] = []  # (kernel seconds, link seconds) per stage
-        fill = 0.0  # chunk 0 of the stages before this one, forward and backward
-        block = cfg.tp * cfg.cp * lay.dp
-        for s in range(p):
-            vstages = [c * p + s for c in range(v)]
-            work = m * sum(fwd[j] + bwd[j] for j in vstages)
-            talk = m * sum(comm[j] for j in vstages)
-            if work + fill > best[0]:
-                best = (work + fill, work, talk, fill)
-            fill += fwd[s] + bwd[s]
-            dense = sum(run_sum("dense_params", j) for j in vstages)
-            expert = sum(run_sum("expert_params", j) for j in vstages)
-            # upper bound of this stage's optimizer time (experts counted unsharded)
-            opt_s.append(costs.work_s(Work(bytes_accessed=(dense / dense_sizes[2] + expert) * opt_rate)))
-            # forwards before the first backward (Megatron's warm-up, then one steady forward)
-            warmup = min(p - s - 1, m) if v == 1 else min((p - s - 1) * 2 + (v - 1) * p, m * v)
-            held = sum(acts[((k // p) % v) * p + s] for k in range(warmup + (1 if m * v > warmup else 0)))
-            memory = max(memory, _static_bytes(dense, dense_sizes, training, _implementations.get(cfg.implementation)) + held)
-            # the (dp, cp) group of stage s's first rank; ranks are placed tp, cp, dp, pp (tp fastest)
-            dp_group = range(s * block, (s + 1) * block, cfg.tp)
-            params = tuple(unit_costs[u].dense_params for j in vstages for u in range(*spans[j]))
-            demand = dict(bounder.sharded_demand(training.precision, params, m, dense_sizes, dp_group, training,
-                                                 Schedule()))
-            for level in pre["levels"]:
-                lb = sum(run_sum("link." + level, j) for j in vstages)
-                if lb:
-                    demand[level] = demand.get(level, 0.0) + m * lb
-            stage_link = costs.link_s(demand)
-            link = max(link, stage_link)
-            stage_work.append((work - talk, stage_link))
-        largest_opt = (1 + costs.slowdown) * max(opt_s)
-        window = max(_slowed(k, a, costs.slowdown) for k, a in stage_work) - largest_opt
-        step = max(best[0] - costs.slowdown * max(opt_s), window)
-        chain = best[0] - costs.slowdown * max(opt_s)
-        return Bound(max(step, 0.0), best[1], best[2], best[3], memory, link, window > chain)
+    fwd = [run_sum("forward_and_wait_s", j) for j in range(len(spans))]  # passes with their trailing waits
+    bwd = [run_sum("backward_and_wait_s", j) for j in range(len(spans))]
+    waits = [fwd[j] + bwd[j] - run_sum("forward_s", j) - run_sum("backward_s", j) for j in range(len(spans))]
+    comm = [run_sum("comm_s", j) for j in range(len(spans))]
+    acts = [run_sum("activation_bytes", j) for j in range(len(spans))]
+    dense_dp = lay.dp * cfg.cp
+    sizes = nd._sharding_sizes(cfg.zero_stage, dense_dp)
+    ps, gs, os_ = sizes
+    block = cfg.tp * cfg.cp * lay.dp
+    norm = _norm_s(costs, n)
+    last = bounder.last_action(p, v, m)
+    drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
+    wait_all = not schedule.effective_overlap_grad_reduce
+
+    opt_lo, opt_up, early, work, talk, idle, memory = [], [], [], [], [], [], 0.0
+    heads, tails, exposed, windows = [], [], [], []
+    for s in range(p):
+        vstages = [c * p + s for c in range(v)]
+        work.append(m * sum(fwd[j] + bwd[j] for j in vstages))
+        talk.append(m * sum(comm[j] for j in vstages))
+        idle.append(m * sum(waits[j] for j in vstages))
+        dense = sum(run_sum("dense_params", j) for j in vstages)
+        expert = sum(run_sum("expert_params", j) for j in vstages)
+        # the stage's optimizers: at least the dense one's, at most (slowed, experts unsharded)
+        opt_lo.append(costs.work_s(Work(bytes_accessed=dense / os_ * opt_rate)))
+        opt_up.append((1 + sd) * costs.work_s(Work(bytes_accessed=(dense / os_ + expert) * opt_rate)))
+        # the dense step-end gathers follow the dense optimizer, which ends before the experts'
+        early.append((1 + sd) * costs.work_s(Work(bytes_accessed=expert * opt_rate)) if expert else 0.0)
+        # forwards before the first backward (Megatron's warm-up, then one steady forward)
+        warmup = min(p - s - 1, m) if v == 1 else min((p - s - 1) * 2 + (v - 1) * p, m * v)
+        held = sum(acts[((k // p) % v) * p + s] for k in range(warmup + (1 if m * v > warmup else 0)))
+        memory = max(memory, _static_bytes(dense, sizes, training, schedule.implementation) + held)
+    max_up = max(opt_up)
+
+    # the chain: fill (chunk 0 of micro-batch 0 through the stages, each behind its own step-end
+    # gathers), each stage's own work, drain (chunk 0 of the last micro-batch back), reductions
+    ends: list[float] = []
+    first_starts: list[float] = []
+    readies: list[list[float]] = []
+    arrival = -math.inf
+    stage_dp: list[list[_DPUnit]] = []
+    for s in range(p):
+        lo, hi = spans[s]
+        # the (dp, cp) group of stage s's first rank; ranks are placed tp, cp, dp, pp (tp fastest)
+        dp_group = range(s * block, (s + 1) * block, cfg.tp)
+        local = [(spans[c * p + s]) for c in range(v)]
+        dpu = [d for a, b in local for d in bounder.dp_units(costs, unit_costs, a, b, sizes, dp_group, training, schedule)]
+        stage_dp.append(dpu)
+        release = opt_lo[s]
+        ready0 = release - early[s]
+        all_gathered = ready0 + sum(d.step_ag for d in dpu)
+        t = max(release, arrival)
+        first_starts.append(t)
+        t_dp = t_ag = ready0
+        stage_ready = [ready0] * len(dpu)  # when each local unit's parameters are ready
+        for i, d in enumerate(dpu):
+            if d.step_ag:
+                t_dp += d.step_ag
+                stage_ready[i] = t_dp
+        if not schedule.overlap_param_gather:
+            stage_ready = [all_gathered] * len(dpu)
+        readies.append(stage_ready)
+        t_dp = ready0
+        for k in range(lo, hi):
+            d = dpu[k - lo]
+            ready = ready0
+            if d.step_ag:
+                t_dp = max(t_dp, ready) + d.step_ag
+                ready = t_dp if schedule.overlap_param_gather else all_gathered
+            if d.gather_fwd:
+                t_ag = max(t_ag, ready) + d.gather_fwd
+                ready = t_ag
+            if k == lo:  # talking before the stage's first kernel (less what may precede the boundary)
+                heads.append(max(0.0, d.step_ag + d.gather_fwd - early[s]))
+            t = max(t, ready) + unit_costs[k].forward_s + (unit_costs[k].after_forward_s if k < hi - 1 else 0.0)
+        first_forward_end = t
+        # the rest of the stage's work, but not the last pass's trailing wait (what follows the
+        # last pass, the send and the reductions, depends on its collectives, not on the wait)
+        ends.append(first_forward_end + work[s] - fwd[s] + unit_costs[hi - 1].after_forward_s
+                    - unit_costs[lo].after_backward_s)
+        if s + 1 < p:
+            arrival = first_forward_end + costs.send_s(unit_costs[hi - 1].p2p_bytes, s * block, (s + 1) * block)
+    last_pass = [bwd[s] - unit_costs[spans[s][0]].after_backward_s for s in range(p)]
+    starts = [e - last_pass[s] for s, e in enumerate(ends)]  # the last pass (chunk 0's) begins after the rest
+    if drains:
+        for s in range(p - 2, -1, -1):
+            lo_next = spans[s + 1][0]
+            back = costs.send_s(unit_costs[lo_next].p2p_bytes, (s + 1) * block, s * block)
+            starts[s] = max(starts[s], ends[s + 1] + back)  # ... and after its gradient arrives
+            ends[s] = starts[s] + last_pass[s]
+    norm_ready = -math.inf
+    for s in range(p):
+        lo, hi = spans[s]
+        dpu = stage_dp[s]
+        dp_group = range(s * block, (s + 1) * block, cfg.tp)
+        z = ends[s]
+        # chunk 0's units in the last backward (the stage's last action when ``drains``), in
+        # reverse order from the pass's earliest start; their reductions, then the step-end ones
+        # (which the dp stream runs last, after the other chunks' units)
+        finals = []
+        last_chain = 0.0
+        if drains:
+            at = starts[s]
+            t_rs = -math.inf
+            for k in range(hi - 1, lo - 1, -1):  # k = lo is the last backward
+                d = dpu[k - lo]
+                at += unit_costs[k].backward_s
+                done = at
+                at += unit_costs[k].after_backward_s  # before the next unit's kernel
+                if d.reduce:
+                    t_rs = max(t_rs, done) + d.reduce
+                    done = t_rs
+                finals.append((k, done, d))
+            d = dpu[0]
+            last_chain = d.reduce + d.step_rs + d.replica_ar
+        t_dp = -math.inf
+        ready = z
+        whole = _whole_buffer_s(costs, sum(unit_costs[k].dense_params for a, b in
+                                           [spans[c * p + s] for c in range(v)] for k in range(a, b)),
+                                sizes, dp_group, training, schedule)
+        if whole is not None:
+            after = [f for _, f, _ in finals] + ([z] if drains or wait_all else [])
+            if after:
+                ready = max(ready, max(after) + whole)
+            last_chain = dpu[0].reduce + whole if drains else 0.0
+        else:
+            for _, done, d in finals:  # descending unit index: the order the dp stream reduces them
+                if d.step_rs:
+                    t_dp = max(t_dp, done, z if wait_all else -math.inf) + d.step_rs
+                    done = t_dp
+                if d.replica_ar:
+                    t_dp = max(t_dp, done, z if wait_all else -math.inf) + d.replica_ar
+                    done = t_dp
+                ready = max(ready, done)
+        tails.append(ready - z)
+        norm_ready = max(norm_ready, ready)
+        exposed.append(last_chain)
+    if refine and (ps > 1 or gs > 1):
+        norm_ready = max(norm_ready, _nd_replay(bounder, unit_costs, spans, p, v, m, stage_dp, readies, first_starts,
+                                                schedule))
+    chain = norm_ready + norm + max(opt_lo) - max_up
+    critical = max(range(p), key=lambda s: (ends[s] + tails[s], -s))
+
+    # the talking: per stage, within its own window (from its step-end gathers to its optimizer)
+    for s in range(p):
+        dpu = stage_dp[s]
+        vstages = [c * p + s for c in range(v)]
+        dp_group = range(s * block, (s + 1) * block, cfg.tp)
+        params = tuple(unit_costs[u].dense_params for j in vstages for u in range(*spans[j]))
+        demand = dict(bounder.sharded_demand(costs, params, m, sizes, dp_group, training, Schedule()))
+        for level in pre["levels"]:
+            lb = sum(run_sum("link." + level, j) for j in vstages)
+            if lb:
+                demand[level] = demand.get(level, 0.0) + m * lb
+        whole = _whole_buffer_s(costs, sum(params), sizes, dp_group, training, schedule)
+        streams = {
+            "ag": m * sum(d.gather_fwd + d.gather_bwd for d in dpu),
+            "rs": m * sum(d.reduce for d in dpu),
+            "dp": sum(d.step_ag for d in dpu) + (whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu)),
+        }
+        talking = max(costs.link_s(demand), _stream_sums(schedule, streams))
+        non_overlapping = talk[s] + norm + heads[s] + exposed[s]
+        kernels = work[s] - talk[s] - idle[s] + opt_lo[s]
+        windows.append(_slowed(kernels, talking, sd, non_overlapping) - (max_up - opt_lo[s] + early[s]))
+    window = max(windows)
+    step = max(chain, window, 0.0)
+    w, tk = work[critical], talk[critical]
+    exp = tails[critical] + norm + heads[critical]
+    return Bound(step, w, tk, max(0.0, chain - w - exp), memory, window, window > chain, exp)
+
+
+def _nd_replay(bounder: Bounder, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,
+               stage_dp: list[list[_DPUnit]], readies: list[list[float]], first_starts: list[float],
+               schedule: Schedule) -> float:
+    """When the norm can start at the earliest, by each stage's own schedule replayed unit by
+    unit with its per-micro-batch data-parallel collectives (ZeRO-2/3: every backward's
+    reduce-scatter and the gradient-buffer ring it fills, ZeRO-3: every use's gather and the
+    prefetch ring), ignoring the other stages after the first forward's arrival."""
+    depth, slots = schedule.effective_prefetch_depth, schedule.reduce_buffers
+    reshard = schedule.reshard_after_forward
+    out = -math.inf
+    for s in range(p):
+        dpu, ready = stage_dp[s], readies[s]
+        offset = [0]
+        for c in range(v):
+            lo, hi = spans[c * p + s]
+            offset.append(offset[-1] + hi - lo)
+        t, after = first_starts[s], 0.0
+        t_ag = t_rs = -math.inf
+        consumed: list[float] = []
+        scatters: list[float] = []
+        last_rs = -math.inf
+        for kind, c, mb in bounder.actions(p, v, m, s):
+            lo, hi = spans[c * p + s]
+            forward = kind == "F"
+            for k in (range(lo, hi) if forward else range(hi - 1, lo - 1, -1)):
+                i = offset[c] + k - lo
+                d, uc = dpu[i], unit_costs[k]
+                start = t + after
+                gathered = bool(d.gather_fwd) if forward else bool(d.gather_bwd and reshard)
+                if gathered:
+                    slot = len(consumed) - depth - 1
+                    t_ag = max(t_ag, ready[i], consumed[slot] if slot >= 0 else -math.inf) + (
+                        d.gather_fwd if forward else d.gather_bwd)
+                    start = max(start, t_ag)
+                elif forward and mb == 0:
+                    start = max(start, ready[i])
+                if not forward and d.reduce and len(scatters) >= slots:
+                    start = max(start, scatters[-slots])
+                t = start + (uc.forward_s if forward else uc.backward_s)
+                after = uc.after_forward_s if forward else uc.after_backward_s
+                if gathered:
+                    consumed.append(t)
+                if not forward and d.reduce:
+                    t_rs = max(t_rs, t) + d.reduce
+                    scatters.append(t_rs)
+                    last_rs = t_rs
+        out = max(out, t, last_rs)
+    return out
+
+
+def _family_bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
+    scenario = bounder.scenario
+    topology = scenario.topology
+    n = topology.num_devices
     plugin = plugin_of(name)
     plan: _family.FamilyPlan = plugin.plan(cfg, topology)
+    schedule = plan.schedule
     deg = plan.dims
-    dp = deg.data_parallel(topology.num_devices)
+    dp = deg.data_parallel(n)
     m = training.global_batch_size // (training.micro_batch_size * dp)
-    unit_costs = bounder.units(training, deg, 1)
-    work = m * sum(u.forward_s + u.backward_s for u in unit_costs)
-    talk = m * sum(u.comm_s for u in unit_costs)
+    credit = n > 1  # one simulated rank stands for all n
+    costs = bounder.costs(training.precision, credit)
+    sd = costs.slowdown
+    opt_rate = optimizer_bytes_per_param(training)
+    unit_costs = bounder.units(training, deg, 1, credit)
     dense = sum(u.dense_params for u in unit_costs)
     expert = sum(u.expert_params for u in unit_costs)
     sizes = (plan.param_size, plan.grad_size, plan.optim_size)
+    p, g, o = sizes
     expert_world = n // (deg.ep * deg.etp)
     expert_sizes = tuple(min(s, expert_world) for s in sizes)
-    optimizer = costs.work_s(Work(bytes_accessed=dense / plan.optim_size * opt_rate))
-    if expert:
-        optimizer += costs.work_s(Work(bytes_accessed=expert / expert_sizes[2] * opt_rate))
+    opt_dense = costs.work_s(Work(bytes_accessed=dense / o * opt_rate))
+    opt_expert = costs.work_s(Work(bytes_accessed=expert / expert_sizes[2] * opt_rate)) if expert else 0.0
+    optimizer = opt_dense + opt_expert
+    # the dense optimizer (and what waits for it) may end before the step boundary, the experts'
+    early = (1 + sd) * opt_expert
     impl = plan.schedule.implementation
     static = (_static_bytes(dense, sizes, training, impl)
               + _static_bytes(expert, expert_sizes, training, impl))  # type: ignore[arg-type]
     memory = static + sum(u.activation_bytes for u in unit_costs)
     # the (dp, cp) group of rank 0; ranks are placed tp, cp, dp (tp fastest)
-    demand = dict(bounder.sharded_demand(training.precision, [u.dense_params for u in unit_costs], m, sizes,
-                                         range(0, n, deg.tp), training, plan.schedule))
-    for u in unit_costs:
-        for level, b in u.link_bytes:
+    dp_group = range(0, n, deg.tp)
+    num = len(unit_costs)
+    dpu = bounder.dp_units(costs, unit_costs, 0, num, sizes, dp_group, training, schedule)
+    impl = schedule.implementation
+    copy = [costs.work_s(Work(bytes_accessed=2.0 * impl.copy_bytes_per_gathered_byte * u.dense_params
+                                                  * training.param_element_bytes))
+            if impl.copy_bytes_per_gathered_byte and p > 1 and u.dense_params else 0.0 for u in unit_costs]
+    reshard = schedule.reshard_after_forward
+    depth = schedule.effective_prefetch_depth
+    slots = schedule.reduce_buffers
+
+    # the chain: every micro-batch's forward and backward behind its gathers (prefetch depth),
+    # gradient buffers and reduce-scatters, then the step-end reductions, the norm, the optimizer
+    ready = [-early] * num
+    t_dp = -early
+    if o > p:
+        for u in range(num):
+            if dpu[u].step_ag:
+                t_dp += dpu[u].step_ag
+                ready[u] = t_dp
+        if not schedule.overlap_param_gather:
+            ready = [t_dp] * num
+    t = 0.0
+    t_ag = t_rs = -math.inf
+    consumed: list[float] = []  # end of the compute that used each gather
+    scatters: list[float] = []
+    final = [0.0] * num
+    first_start = None
+    after = 0.0  # the last pass's straggler wait before the next kernel
+    for mb in range(m):
+        for phase, order in (("fwd", range(num)), ("bwd", range(num - 1, -1, -1))):
+            for u in order:
+                d = dpu[u]
+                start = t + after
+                gathered = p > 1 and unit_costs[u].dense_params > 0 and (phase == "fwd" or reshard)
+                if gathered:
+                    slot = len(consumed) - depth - 1
+                    t_ag = max(t_ag, ready[u], consumed[slot] if slot >= 0 else -math.inf) + (
+                        d.gather_fwd if phase == "fwd" else d.gather_bwd)
+                    start = max(start, t_ag)
+                elif p == 1 and mb == 0 and phase == "fwd":
+                    start = max(start, ready[u])
+                if phase == "bwd" and d.reduce and len(scatters) >= slots:
+                    start = max(start, scatters[-slots])
+                if first_start is None:
+                    first_start = start
+                copied = copy[u] if (phase == "fwd" or reshard) else 0.0
+                t = start + copied + (unit_costs[u].forward_s if phase == "fwd" else unit_costs[u].backward_s)
+                after = unit_costs[u].after_forward_s if phase == "fwd" else unit_costs[u].after_backward_s
+                if gathered:
+                    consumed.append(t)
+                if phase == "bwd":
+                    done = t
+                    if d.reduce:
+                        t_rs = max(t_rs, t) + d.reduce
+                        scatters.append(t_rs)
+                        done = t_rs
+                    final[u] = done
+    end_backward = t
+    wait = end_backward if not schedule.effective_overlap_grad_reduce else -math.inf
+    norm_ready = max([end_backward] + final)
+    whole = _whole_buffer_s(costs, dense, sizes, dp_group, training, schedule)
+    d0 = dpu[0]
+    if whole is not None:
+        t_dp = max(t_dp, norm_ready) + whole
+        norm_ready = t_dp
+        tail = d0.reduce + whole
+    else:
+        for u in range(num - 1, -1, -1):
+            done = final[u]
+            for seconds in (dpu[u].step_rs, dpu[u].replica_ar):
+                if seconds:
+                    t_dp = max(t_dp, done, wait) + seconds
+                    done = t_dp
+            norm_ready = max(norm_ready, done)
+        tail = d0.reduce + d0.step_rs + d0.replica_ar
+    norm = _norm_s(costs, n)
+    chain = norm_ready + norm + optimizer
+
+    # the talking: streams' serial sums and the links' bytes in the step (with experts, less
+    # what may have run before the boundary)
+    units_talk = m * sum(u.comm_s for u in unit_costs)
+    demand = dict(bounder.sharded_demand(costs, [u.dense_params for u in unit_costs], m, sizes, dp_group,
+                                         training, schedule))
+    for uc in unit_costs:
+        for level, b in uc.link_bytes:
             demand[level] = demand.get(level, 0.0) + m * b
-    link = costs.link_s(demand)
-    total = max(work + optimizer, _slowed(work - talk + optimizer, link, costs.slowdown))
-    return Bound(total, work + optimizer, talk, 0.0, memory, link, total > work + optimizer)
-
-
-def _slowed(kernel_s: float, talking_s: float, slowdown: float) -> float:
-    """Least time for ``kernel_s`` of kernels on a rank that also talks for ``talking_s``: kernels
-    run 1/(1 + slowdown) as fast while it talks, so at best all talking overlaps kernels."""
-    if talking_s >= (1 + slowdown) * kernel_s:
-        return talking_s
-    return kernel_s + talking_s * slowdown / (1 + slowdown)
+    streams = {
+        "ag": m * sum(d.gather_fwd + (d.gather_bwd if reshard else 0.0) for d in dpu),
+        "rs": m * sum(d.reduce for d in dpu),
+        "dp": sum(d.step_ag for d in dpu) + (whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu)),
+    }
+    talking = max(costs.link_s(demand), _stream_sums(schedule, streams)) - early
+    head = max(0.0, min(first_start if first_start is not None else 0.0,
+                        (d0.step_ag if o > p else 0.0) + (d0.gather_fwd if p > 1 else 0.0)) - early)
+    non_overlapping = units_talk + norm + head + tail
+    kernels = m * sum(u.forward_s + u.backward_s for u in unit_costs) - units_talk + m * sum(copy) * (2 if reshard else 1) + optimizer
+    slow = _slowed(kernels, talking, sd, non_overlapping)
+    step = max(chain, slow)
+    work = m * sum(u.forward_s + u.backward_s for u in unit_costs)
+    return Bound(step, work + optimizer, units_talk, 0.0, memory, talking, slow > chain, head + tail + norm)
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -856,6 +1359,9 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
                 lb = row.bound.step_time_s  # type: ignore[union-attr]
                 threshold = max(feasible_steps[top - 1] if len(feasible_steps) >= top else math.inf,
                                 family_best.get(row.candidate.name, math.inf))
+                if not exhaustive and lb <= threshold and row.candidate.name == "nd":
+                    row.bound = bounder(row.candidate, refine=True)  # worth it for the few about to run
+                    lb = row.bound.step_time_s
                 if exhaustive or lb <= threshold:
                     if max_evals is not None and evals >= max_evals:
                         row.status, row.reason = "skipped", "not evaluated (--max-evals)"

@@ -46,6 +46,7 @@ from typing import Any
 from hzpsim import strategies
 from hzpsim.cluster.placement import expert_placement
 from hzpsim.config import ScenarioError, from_mapping
+from hzpsim.kernels import Gemm
 from hzpsim.ops import GraphError
 from hzpsim.report import format_summary
 from hzpsim.scenario import Scenario, StrategyChoice
@@ -329,9 +330,9 @@ class Bound:
 class _Costs:
     """Least seconds of kernels and collectives on one topology and precision.
 
-    Kernels: :meth:`ComputeModel.duration_s` of a stand-in op carrying only GEMM FLOP totals and
-    HBM bytes, i.e. the model's large-GEMM rate, which per-kernel effects (tile and wave
-    quantisation of a GEMM's shape) can only slow down; attention FLOPs at the device's dense
+    Kernels: :meth:`ComputeModel.duration_s` of a stand-in op carrying the work's GEMM shapes
+    (exactly the time the simulator charges them; without shapes, the FLOP totals at the
+    large-GEMM rate, which no shape beats) and HBM bytes; attention FLOPs at the device's dense
     peak, which no kernel exceeds. Collectives: NCCL's isolated time (``CollectiveModel.plan``),
     stretched, when ``variability`` is credited, by the ``1 + cv · E[max]`` every ring step of
     the symmetric simulation takes (``sim/variability.py``)."""
@@ -347,11 +348,15 @@ class _Costs:
         self._work: dict[tuple[float, float, float, float], float] = {}
 
     def work_s(self, work: Work) -> float:
-        key = (work.gemm, work.attention_forward, work.attention_backward, work.bytes_accessed)
+        key = (work.gemm, work.attention_forward, work.attention_backward, work.bytes_accessed, work.shapes)
         seconds = self._work.get(key)
         if seconds is None:
-            op = SimpleNamespace(duration_s=0.0, flops=(("gemm", work.gemm),) if work.gemm else (),
-                                 bytes_accessed=work.bytes_accessed, shapes=())
+            gemms = tuple(s for s in work.shapes if isinstance(s, Gemm))
+            if gemms:  # the GEMMs at exactly the time the simulator gives their shapes
+                op = SimpleNamespace(duration_s=0.0, flops=(), bytes_accessed=work.bytes_accessed, shapes=gemms)
+            else:  # FLOP totals only: the large-GEMM rate, which no shape beats
+                op = SimpleNamespace(duration_s=0.0, flops=(("gemm", work.gemm),) if work.gemm else (),
+                                     bytes_accessed=work.bytes_accessed, shapes=())
             seconds = self.compute.duration_s(op)  # type: ignore[arg-type]
             seconds += (work.attention_forward + work.attention_backward) / self.compute.peak_flops_per_s
             self._work[key] = seconds

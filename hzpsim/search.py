@@ -345,7 +345,7 @@ class _Costs:
         self.slowdown = self.compute.efficiency.comm_overlap_slowdown
         self.cv = float(topology.spec.variability) if variability else 0.0
         self._spans: dict[Any, Any] = {}
-        self._work: dict[tuple[float, float, float, float], float] = {}
+        self._work: dict[Any, float] = {}
 
     def work_s(self, work: Work) -> float:
         key = (work.gemm, work.attention_forward, work.attention_backward, work.bytes_accessed, work.shapes)

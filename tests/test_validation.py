@@ -440,3 +440,28 @@ def test_families_yaml_unknown_key_is_refused(tmp_path):
     bad.write_text("families:\n  - {name: x, name_prefixes: [x], architecture: {}, tide: true}\n")
     with pytest.raises(ValueError, match="unknown keys"):
         model_families(bad)
+
+
+# ------------------------------------------------------------- cross-validated accuracy guard
+# tests/golden/validation_cv.json records, for a fast subset of rows (every scored source and
+# regime, the quickest rows of each), the leave-one-source-out median |error| of the shipped
+# calibration profile. A change that makes it worse fails here; a change that improves it
+# rewrites the record in its own commit: HZPSIM_UPDATE_GOLDENS=1 python -m pytest tests/test_validation.py -k cv
+CV_RECORD = GOLDEN / "validation_cv.json"
+
+
+def test_cross_validated_error_does_not_get_worse():
+    from hzpsim.validation.run import error_summary
+
+    record = json.loads(CV_RECORD.read_text())
+    cases = rows_to_scenarios()
+    df = validate_published(select_cases(cases, None, None, None, None, record["rows"]))
+    figures = error_summary(df[df["status"] == "ok"])
+    if os.environ.get("HZPSIM_UPDATE_GOLDENS"):
+        record["cv_median_abs_error"] = figures["cv_median_abs_error"]
+        record["in_sample_median_abs_error"] = figures["in_sample_median_abs_error"]
+        CV_RECORD.write_text(json.dumps(record, indent=1) + "\n")
+    assert figures["num_rows"] == len(record["rows"])
+    assert figures["cv_median_abs_error"] <= record["cv_median_abs_error"] + 0.002, (
+        f"leave-one-source-out median |error| on the CI subset rose from {record['cv_median_abs_error']:.2%} "
+        f"to {figures['cv_median_abs_error']:.2%}")

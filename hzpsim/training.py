@@ -26,6 +26,8 @@ class Training:
     # device's usual one (sim/compute.py DEFAULT_ATTENTION_KERNEL); "unfused" = flash_attention false
     compile: bool = False  # torch.compile: pointwise kernels fused between GEMMs (fewer launches,
     # less HBM traffic); false = eager
+    fused_kernels: bool = False  # the model code fuses its pointwise kernels by hand, as Megatron-LM
+    # and Transformer Engine do (bias-dropout-add, norm + residual): the same traffic as compile
     num_steps: int = 2  # optimizer steps simulated; the last one is reported (steady state)
 
     def validate(self) -> None:
@@ -45,6 +47,11 @@ class Training:
             )
         if not 2 <= self.num_steps <= 100:
             raise ValueError("num_steps: must be between 2 and 100 (the last step is reported)")
+
+    @property
+    def fused_pointwise(self) -> bool:
+        """Pointwise kernels fused between GEMMs (by torch.compile or by the model code)."""
+        return self.compile or self.fused_kernels
 
     @property
     def fused_attention(self) -> bool:

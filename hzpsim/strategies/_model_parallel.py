@@ -158,7 +158,9 @@ def _gemms(linears: Sequence[tuple[int, int, str]], tokens: float, t: int) -> li
 
 
 #: torch.compile fuses the pointwise kernels between two GEMMs into one Inductor kernel
-#: [INF, from Inductor's pointwise fusion]: a residual add and the norm after it become one
+#: [INF, from Inductor's pointwise fusion], and Megatron-LM / Transformer Engine model code does
+#: the same by hand (``training.fused_kernels``: megatron/model/fused_bias_dropout.py
+#: ``bias_dropout_add_fused_train``, TE's fused norm and residual paths): a residual add and the norm after it become one
 #: kernel that reads the two summands and writes the sum and the normalised output (4·B·h
 #: per token where eager moves 3·B·h + 2·B·h), and the dropout's read and write fold into
 #: the same kernel (its 1-byte mask remains); RoPE and the activation function are single
@@ -215,7 +217,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         )
         traffic = 0.0
         for name, (per_token, kind) in model.elementwise_bytes_per_token(i, elementwise_bytes).items():
-            if training.compile and name in _FUSED_BY_COMPILE:
+            if training.fused_pointwise and name in _FUSED_BY_COMPILE:
                 per_token *= _FUSED_BY_COMPILE[name]
             traffic += per_token / (t if kind == "split" or deg.sequence_parallel else 1)
         if training.autocast:  # each GEMM input is cast fp32 -> bf16: read 4, write 2 bytes
@@ -279,7 +281,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         tp_count = (1 if moe else 2) if t > 1 else 0
         dense_tensors, expert_tensors = model.layer_tensors(i)
         kernels = model.layer_kernels_forward(i, fused)
-        if training.compile:
+        if training.fused_pointwise:
             kernels -= _KERNELS_FUSED_BY_COMPILE
         local_experts_t = expert_tensors[: len(expert_tensors) // deg.ep] if expert_tensors else ()
         units.append(MPUnit(

@@ -462,6 +462,10 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
             training["flash_attention"] = False
         if "compile" in cell_text(row, "system").lower():
             training["compile"] = True
+        if any(k in cell_text(row, "system").lower() for k in ("megatron", "nemo")):
+            # Megatron-LM, Megatron-Core / NeMo / Megatron-Bridge and Megatron-DeepSpeed model
+            # code: hand-fused pointwise kernels (bias-dropout-add, bias-GeLU/SwiGLU, TE's fused norms)
+            training["fused_kernels"] = True
         if "amp" in cell_text(row, "precision").lower():
             training["autocast"] = True
             assumptions.append("precision 'amp': torch.autocast (fp32 residual stream, casts before GEMMs)")

@@ -180,6 +180,38 @@ def test_compile_still_launches_fewer_kernels_than_eager():
     assert compiled.kernels_backward < eager.kernels_backward / 3
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_collectives_on_compute_cores_pause_compute(shared):
+    """cpu-local (gloo on the CPUs that compute): a rank's compute, host work included, makes no
+    progress while its collective moves bytes, so a 1 s op overlapped with a collective of T
+    seconds ends at 1 + T; a GPU-like device overlaps it for free (ends at 1 s)."""
+    import dataclasses
+
+    from hzpsim.cluster.topology import ClusterSpec, build_topology
+    from hzpsim.ops import OpGraph
+    from hzpsim.sim.collectives import CollectiveModel
+    from hzpsim.sim.compute import Efficiency
+    from hzpsim.sim.engine import simulate
+
+    topology = build_topology(ClusterSpec(preset="local-cpu", gpus_per_node=2))
+    assert topology.device.communication_uses_compute_cores  # the cpu-local preset
+    topology.device = dataclasses.replace(topology.device, communication_uses_compute_cores=shared)
+    unit = Efficiency(gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="test: peak rates")
+    graph = OpGraph(2, {0: 1, 1: 1}, "fp32")
+    group = graph.add_group("pair", [0, 1])
+    size = 4e9
+    graph.collective("all_gather", group, [0, 1], size, "ag", "gather", "comm")
+    host = [graph.compute(r, "host", "host", {}, stream="host", duration_s=1.0) for r in (0, 1)]
+    device = [graph.compute(r, "gemm", "forward", {"gemm": topology.device.peak_fp32_flops_per_s}) for r in (0, 1)]
+    trace = simulate(graph, topology, unit)
+    comm_s = trace.end_s[0] - trace.start_s[0]
+    plan = CollectiveModel(topology).plan("all_gather", size, topology.span([0, 1]))
+    assert trace.start_s[0] == 0.0 and comm_s == pytest.approx(plan.isolated_time_s, rel=0.05) and comm_s > 0.1
+    expected = 1.0 + comm_s if shared else 1.0
+    for op in host + device:
+        assert trace.end_s[op] == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def world4_rows():
     pytest.importorskip("torch")

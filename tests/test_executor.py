@@ -121,6 +121,97 @@ def test_units_have_the_simulators_parameter_counts():
 # ------------------------------------------------------------------------------- world 4 vs simulator
 
 
+EAGER_VARIANTS = [{}, {"num_kv_heads": 4}, {"norm": "layernorm"}, {"linear_bias": True}, {"norm_bias": True},
+                  {"position_embedding": "learned"},
+                  {"norm": "layernorm", "norm_bias": True, "linear_bias": True, "position_embedding": "learned",
+                   "num_kv_heads": 4},
+                  {"moe": "4x2+1"}, {"moe": "4x1+0", "linear_bias": True, "norm": "layernorm"}]
+
+
+def _moe(text: str):
+    """"EXk+S": E routed experts, top-k, S shared experts."""
+    from hzpsim.model import MoE
+
+    experts, rest = text.split("x")
+    top_k, shared = rest.split("+")
+    return MoE(num_experts=int(experts), top_k=int(top_k), expert_ffn_hidden_size=32, num_shared_experts=int(shared))
+
+
+@pytest.mark.parametrize("variant", EAGER_VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "llama")
+def test_simulator_eager_op_count_equals_what_pytorch_dispatches(variant):
+    """The simulator's host work per micro-batch (the eager ATen ops of every unit,
+    ``MPUnit.kernels_forward`` / ``kernels_backward``, from ``Model.layer_kernels_forward``) equals
+    a TorchDispatchMode count of the executor's model, forward + loss and backward, for
+    SwiGLU layers with every norm / bias / position / GQA variant and MoE layers; per layer and
+    in total."""
+    pytest.importorskip("torch")
+    from hzpsim.executor.model import batch, build, dispatched_ops
+    from hzpsim.model import Model
+    from hzpsim.scenario import Training
+    from hzpsim.strategies._dims import ParallelDims
+    from hzpsim.strategies._model_parallel import mp_units
+
+    def counts(layers: int) -> tuple[tuple[int, int], tuple[float, float]]:
+        model = Model(**{"num_layers": layers, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
+                         "ffn_hidden_size": 64, "vocab_size": 64, "seq_len": 8, "dropout": False,
+                         **{k: _moe(v) if k == "moe" else v for k, v in variant.items()}})
+        tokens, targets = batch(model, 0, 1, 0)
+        ops = dispatched_ops(build(model, 0), tokens, targets)
+        units = mp_units(model, Training(global_batch_size=1, micro_batch_size=1, precision="fp32",
+                                         grad_dtype="fp32"), ParallelDims())
+        return ((sum(ops["forward"].values()), sum(ops["backward"].values())),
+                (sum(u.kernels_forward for u in units), sum(u.kernels_backward for u in units)))
+
+    (one, one_predicted), (two, two_predicted) = counts(1), counts(2)
+    assert two_predicted == two and one_predicted == one
+    assert two[0] > 3 * len(variant) + 60  # a real count (a layer dispatches dozens of ops), not a tautology
+
+
+def test_compile_still_launches_fewer_kernels_than_eager():
+    from hzpsim.model import Model
+    from hzpsim.scenario import Training
+    from hzpsim.strategies._dims import ParallelDims
+    from hzpsim.strategies._model_parallel import mp_units
+
+    model = Model(2, 64, 4, 128, 256, 32, num_kv_heads=2, dropout=False)
+    eager, compiled = (mp_units(model, Training(global_batch_size=1, micro_batch_size=1, compile=c), ParallelDims())[1]
+                       for c in (False, True))
+    assert compiled.kernels_forward < eager.kernels_forward / 3
+    assert compiled.kernels_backward < eager.kernels_backward / 3
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_collectives_on_compute_cores_pause_compute(shared):
+    """cpu-local (gloo on the CPUs that compute): a rank's compute, host work included, makes no
+    progress while its collective moves bytes, so a 1 s op overlapped with a collective of T
+    seconds ends at 1 + T; a GPU-like device overlaps it for free (ends at 1 s)."""
+    import dataclasses
+
+    from hzpsim.cluster.topology import ClusterSpec, build_topology
+    from hzpsim.ops import OpGraph
+    from hzpsim.sim.collectives import CollectiveModel
+    from hzpsim.sim.compute import Efficiency
+    from hzpsim.sim.engine import simulate
+
+    topology = build_topology(ClusterSpec(preset="local-cpu", gpus_per_node=2))
+    assert topology.device.communication_uses_compute_cores  # the cpu-local preset
+    topology.device = dataclasses.replace(topology.device, communication_uses_compute_cores=shared)
+    unit = Efficiency(gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="test: peak rates")
+    graph = OpGraph(2, {0: 1, 1: 1}, "fp32")
+    group = graph.add_group("pair", [0, 1])
+    size = 4e9
+    graph.collective("all_gather", group, [0, 1], size, "ag", "gather", "comm")
+    host = [graph.compute(r, "host", "host", {}, stream="host", duration_s=1.0) for r in (0, 1)]
+    device = [graph.compute(r, "gemm", "forward", {"gemm": topology.device.peak_fp32_flops_per_s}) for r in (0, 1)]
+    trace = simulate(graph, topology, unit)
+    comm_s = trace.end_s[0] - trace.start_s[0]
+    plan = CollectiveModel(topology).plan("all_gather", size, topology.span([0, 1]))
+    assert trace.start_s[0] == 0.0 and comm_s == pytest.approx(plan.isolated_time_s, rel=0.05) and comm_s > 0.1
+    expected = 1.0 + comm_s if shared else 1.0
+    for op in host + device:
+        assert trace.end_s[op] == pytest.approx(expected, rel=1e-6)
+
+
 @pytest.fixture(scope="module")
 def world4_rows():
     pytest.importorskip("torch")

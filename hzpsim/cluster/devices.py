@@ -62,6 +62,9 @@ class Device:
     kernel_launch_s: float | None = None  # host time per eager kernel (dispatch + launch)
     collective_call_s: float | None = None  # host time to issue one collective call
     synchronous_host: bool = False  # kernels run on the thread that launches them (a CPU): no run-ahead
+    # collectives run on the cores that compute (gloo on a CPU: its copies and TCP loopback): a rank's
+    # compute makes no progress while one of its collectives moves bytes (no free overlap)
+    communication_uses_compute_cores: bool = False
 
     @property
     def memory_label_gb(self) -> float:
@@ -240,6 +243,10 @@ DEVICES: dict[str, Device] = {
             kernel_launch_s=4.0e-6,
             collective_call_s=1.5e-4,
             synchronous_host=True,  # eager CPU kernels run on the Python thread that dispatches them
+            # gloo's all-gathers etc. are memcpy + TCP loopback on the same vCPUs (no DMA engine,
+            # no NIC offload): torch/csrc/distributed/c10d/ProcessGroupGloo.cpp runs each call's
+            # algorithm on a CPU worker thread of the calling process
+            communication_uses_compute_cores=True,
             default_cluster_preset="local-cpu",
             source=(
                 "measured 2026-11-21 on this box with /tmp/measure_cpu.py-style numpy script: "

@@ -4,8 +4,9 @@ All ``--world`` processes run every benchmark at the same time (as training woul
 numbers are what one rank gets while the others work too:
 
 - compute: fp32 GEMM rate for a sweep of shapes (FLOP/s), memory-bound kernels (an add of two
-  vectors, bytes read + written per second) for a sweep of sizes, and the cost of one tiny kernel
-  (launch / dispatch overhead, seconds);
+  vectors, bytes read + written per second) for a sweep of sizes, the cost of one tiny kernel
+  (launch / dispatch overhead, seconds) and the host cost per ATen op of an eager training step
+  (a tiny decoder's forward + backward over the ops it dispatches: the device's kernel_launch_s);
 - the backend's collectives (gloo on CPU, NCCL on CUDA): all-gather, reduce-scatter, all-reduce,
   all-to-all and send/recv for a sweep of sizes (NCCL-tests convention: the full buffer) and
   group sizes (2 and --world), plus the host cost of one call (the smallest all-reduce).
@@ -80,7 +81,7 @@ def bench(out_dir: str, quick: bool) -> None:
     elements = MEMORY_ELEMENTS[1:3] if quick else MEMORY_ELEMENTS
     sizes = COLLECTIVE_BYTES[:2] if quick else COLLECTIVE_BYTES
     group_sizes = sorted({g for g in (2, world) if 2 <= g <= world})
-    total = len(shapes) + len(elements) + 2 + len(group_sizes) * (len(KINDS) * len(sizes) + 1)
+    total = len(shapes) + len(elements) + 3 + len(group_sizes) * (len(KINDS) * len(sizes) + 1)
     done = [0]
 
     def progress(label: str) -> None:
@@ -110,6 +111,9 @@ def bench(out_dir: str, quick: bool) -> None:
     # an op recorded by autograd (what a training forward dispatches)
     out["autograd_op_s"] = _timed(lambda: torch.mul(leaf, leaf), min_time, 50)
     progress("autograd op")
+    dist.barrier()
+    out["eager_op_s"], out["eager_ops_per_step"] = _eager_op_s(min_time)
+    progress("eager op")
 
     for g in group_sizes:
         groups = [dist.new_group(list(range(b, b + g))) for b in range(0, world - world % g, g)]
@@ -136,6 +140,40 @@ def bench(out_dir: str, quick: bool) -> None:
         with open(Path(out_dir) / "bench.json", "w", encoding="utf-8") as handle:
             json.dump(gathered, handle)
     dist.destroy_process_group()
+
+
+#: The decoder whose eager training step measures the host cost per dispatched ATen op: the
+#: executor's Llama-style layer (RMSNorm, RoPE, GQA, SwiGLU) at sizes where the kernels' own
+#: work is negligible next to their dispatch, so time / ops is the host cost per op.
+EAGER_PROBE_MODEL = "num_layers=2 hidden_size=8 num_heads=2 num_kv_heads=1 ffn_hidden_size=16 vocab_size=16 seq_len=4"
+
+
+def _eager_op_s(min_time: float) -> tuple[float, int]:
+    """Host seconds per ATen op of an eager training step: the mean time of a forward, loss
+    and backward of :data:`EAGER_PROBE_MODEL` divided by the ops it dispatches (counted with
+    :func:`hzpsim.executor.model.dispatched_ops`, views and ``detach`` included). This is
+    the unit the simulator charges (``Model.layer_kernels_forward`` counts the same ops), and
+    it includes what a single-op benchmark misses: nn.Module calls, the autograd engine's
+    per-node work, gradient accumulation."""
+    import torch.nn.functional as F
+
+    from hzpsim.executor.model import batch, build, dispatched_ops
+    from hzpsim.model import Model
+
+    sizes = {k: int(v) for k, v in (item.split("=") for item in EAGER_PROBE_MODEL.split())}
+    spec = Model(sizes["num_layers"], sizes["hidden_size"], sizes["num_heads"], sizes["ffn_hidden_size"],
+                 sizes["vocab_size"], sizes["seq_len"], num_kv_heads=sizes["num_kv_heads"], dropout=False,
+                 name="eager-op-probe")
+    net = build(spec, 0)
+    tokens, targets = batch(spec, 0, 1, 0)
+    counted = dispatched_ops(net, tokens, targets)
+    ops = sum(counted["forward"].values()) + sum(counted["backward"].values())
+
+    def step() -> None:
+        loss = F.cross_entropy(net(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+
+    return _timed(step, min_time, 20) / ops, ops
 
 
 def _issue_time(group, reps: int) -> float:
@@ -246,18 +284,20 @@ def build_profile(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
     mem = statistics.median(m["bytes_per_s"] for m in memory)
     issue = {int(g): max(r["call_issue_s"][g] for r in per_rank) for g in per_rank[0]["call_issue_s"]}
     autograd_op = statistics.mean(r["autograd_op_s"] for r in per_rank)
+    eager_op = statistics.mean(r["eager_op_s"] for r in per_rank)
     return {
         "device": {"name": "cpu-local", "peak_fp32_flops_per_s": flops, "peak_bf16_flops_per_s": flops,
                    "peak_fp16_flops_per_s": flops, "memory_bytes_per_s": mem,
-                   # host costs: one eager op recorded by autograd, one collective issued
-                   "kernel_launch_s": autograd_op, "collective_call_s": max(issue.values())},
+                   # host costs: one ATen op of an eager training step, one collective issued
+                   "kernel_launch_s": eager_op, "collective_call_s": max(issue.values())},
         "cluster": {"intra_node_bytes_per_s": bandwidth, "inter_node_bytes_per_s_per_device": bandwidth,
                     "intra_node_latency_s": latency, "inter_node_latency_s": latency,
                     "intra_node_efficiency": 1.0, "inter_node_efficiency": 1.0},
         "measurements": {"world_size": world, "threads_per_rank": 1, "gemm": gemm, "memory": memory,
                          "kernel_launch_s": statistics.mean(r["kernel_launch_s"] for r in per_rank),
                          "host_cost_per_call_s": max(r["host_cost_per_call_s"] for r in per_rank),
-                         "autograd_op_s": autograd_op, "call_issue_s": issue,
+                         "autograd_op_s": autograd_op, "eager_op_s": eager_op,
+                         "eager_ops_per_probe_step": per_rank[0]["eager_ops_per_step"], "call_issue_s": issue,
                          "collectives": collectives},
         "source": f"hzpsim calibrate machine --world {world} on {platform.node()} "
                   f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "

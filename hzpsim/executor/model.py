@@ -13,6 +13,7 @@ tests). No dropout, so runs are deterministic. Try it::
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 import torch.nn.functional as F
@@ -254,6 +255,33 @@ def batch(model: Model, step: int, global_batch_size: int, seed: int) -> tuple[t
 def unit_param_counts(net: Decoder) -> list[int]:
     """Parameters per unit (elements), simulator unit order."""
     return [sum(p.numel() for p in u.parameters()) for u in net.units()]
+
+
+def dispatched_ops(net: Decoder, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, Counter[str]]:
+    """ATen ops eager PyTorch dispatches for one micro-batch: ``forward`` (the model and the
+    cross-entropy loss) and ``backward`` (autograd's, gradient accumulation included), by op
+    name, views and ``detach`` included (each is one dispatch). Counted with a
+    ``TorchDispatchMode`` on a second pass (the first fills the RoPE table cache)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: Counter[str] = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    out: dict[str, Counter[str]] = {}
+    for _ in range(2):
+        net.zero_grad(set_to_none=True)
+        with Count() as forward:
+            loss = F.cross_entropy(net(tokens).flatten(0, 1), targets.flatten())
+        with Count() as backward:
+            loss.backward()
+        out = {"forward": forward.ops, "backward": backward.ops}
+    return out
 
 
 def demo() -> None:

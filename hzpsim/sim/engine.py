@@ -83,6 +83,11 @@ class Engine:
         # Compute slows down while the same rank communicates (collective kernels take SMs and
         # memory bandwidth): running compute ops progress at 1 / (1 + slowdown) then.
         self.slowdown = self.compute_model.efficiency.comm_overlap_slowdown
+        # A device whose collectives run on its compute cores (a CPU with gloo) gets no overlap:
+        # every compute op of a rank, host dispatch included, pauses while one of its
+        # collectives moves bytes (the collective's time was measured with the cores to itself)
+        self.shared_cores = topology.device.communication_uses_compute_cores
+        self.contended = bool(self.slowdown) or self.shared_cores
         self._talking = dict.fromkeys(graph.weights, 0)  # collectives in flight per rank
         self._running: dict[int, list[_Running]] = {r: [] for r in graph.weights}
         self.num_finished = 0
@@ -121,7 +126,7 @@ class Engine:
     def _finish(self, op: Op) -> None:
         self.end_s[op.id] = self.env.now
         self.num_finished += 1
-        if self.slowdown and op.kind != COMPUTE:
+        if self.contended and op.kind != COMPUTE:
             self._talk(op, -1)
         if op.free:
             self._memory(op, op.free, -1.0)
@@ -147,8 +152,8 @@ class Engine:
                 self.start_s[op.id] = self.env.now
                 if op.alloc:
                     self._memory(op, op.alloc, 1.0)
-                if self.slowdown and device:  # fixed (host) time is not slowed
-                    yield self._start_slowable(op)
+                if (self.slowdown and device) or self.shared_cores:  # GPU: host time is not slowed
+                    yield self._start_slowable(op, device)
                 else:
                     yield self.env.timeout(self._duration_s(op, device))
                 if device and self.stragglers.cv > 0:  # device work: what a straggler falls behind on
@@ -166,7 +171,9 @@ class Engine:
     # ------------------------------------------------------------------ compute slowdown
 
     def _rate(self, rank: int) -> float:
-        return 1.0 / (1.0 + self.slowdown) if self._talking[rank] else 1.0
+        if not self._talking[rank]:
+            return 1.0
+        return 0.0 if self.shared_cores else 1.0 / (1.0 + self.slowdown)
 
     def _duration_s(self, op: Op, device: bool) -> float:
         """Time of a compute op alone on its rank: an explicit straggler's device work is slower."""
@@ -175,15 +182,17 @@ class Engine:
             seconds *= self._compute_slowdown.get(op.ranks[0], 1.0)
         return seconds
 
-    def _start_slowable(self, op: Op) -> simpy.Event:
+    def _start_slowable(self, op: Op, device: bool = True) -> simpy.Event:
         rank = op.ranks[0]
-        job = _Running(op, self._duration_s(op, True), self._rate(rank), self.env.now, self.env.event())
+        job = _Running(op, self._duration_s(op, device), self._rate(rank), self.env.now, self.env.event())
         self._running[rank].append(job)
         self._schedule(job)
         return job.done
 
     def _schedule(self, job: _Running) -> None:
         job.generation += 1
+        if job.rate == 0.0:  # paused until the rank's collectives end (_talk reschedules it)
+            return
         generation = job.generation
         timer = self.env.timeout(max(job.remaining_s / job.rate, 0.0))
         timer.callbacks.append(lambda _event: self._job_timer(job, generation))
@@ -197,7 +206,8 @@ class Engine:
     def _talk(self, op: Op, delta: int) -> None:
         """A collective starts (+1) or ends (-1) on its ranks: re-time their running compute."""
         now = self.env.now
-        for rank in op.senders:
+        # a gloo receive copies on the receiver's cores too
+        for rank in op.ranks if self.shared_cores else op.senders:
             before = self._rate(rank)
             self._talking[rank] += delta
             after = self._rate(rank)
@@ -213,7 +223,7 @@ class Engine:
         a process: collectives are the most frequent events)."""
         now = self.env.now
         self.start_s[op.id] = now
-        if self.slowdown:
+        if self.contended:
             self._talk(op, +1)
         if op.alloc:
             self._memory(op, op.alloc, 1.0)

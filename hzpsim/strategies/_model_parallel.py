@@ -166,9 +166,6 @@ def _gemms(linears: Sequence[tuple[int, int, str]], tokens: float, t: int) -> li
 #: the same kernel (its 1-byte mask remains); RoPE and the activation function are single
 #: kernels already. Factor on each ``Model.elementwise_bytes_per_token`` term.
 _FUSED_BY_COMPILE = {"norms": 1.0, "residual_adds": 2.0 / 3.0, "dropouts": 1.0 / 5.0}
-#: Eager kernels per layer that compile folds into their neighbours: the two residual adds
-#: (into the norms) [INF, same fusion].
-_KERNELS_FUSED_BY_COMPILE = 2
 
 
 def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit]:
@@ -190,7 +187,11 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
     units.append(MPUnit(
         name="embed", dense_params=model.embedding_params() / t, pre=lookup, backward=lookup.scaled(2),
         activation_bytes=0.0, tp_bytes=tp_bytes, **_tp_calls("embed", 1, deg, mode), p2p_bytes=p2p_bytes,
-        tensors=(model.embedding_params() / t,), kernels_forward=1, kernels_backward=2,
+        # eager ATen ops: embedding / embedding_dense_backward + detach (AccumulateGrad); learned
+        # positions add arange, embedding, add / sum, view (their broadcast), the same two
+        tensors=(model.embedding_params() / t,),
+        kernels_forward=1 + (3 if model.position_embedding == "learned" else 0),
+        kernels_backward=2 + (4 if model.position_embedding == "learned" else 0),
     ))
     kv_per_rank = max(model.kv_heads / t, 1.0)
     fused = training.fused_attention
@@ -280,9 +281,15 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         cp_bytes = c * 2 * (model.seq_len / c) * b * kv_per_rank * model.head_dim_resolved * act if c > 1 else 0.0
         tp_count = (1 if moe else 2) if t > 1 else 0
         dense_tensors, expert_tensors = model.layer_tensors(i)
-        kernels = model.layer_kernels_forward(i, fused)
+        # eager: every ATen op the layer dispatches (Model.layer_kernels_forward); fused (torch.compile,
+        # or Megatron / Transformer Engine's hand-fused model code): the fused program's kernels,
+        # its backward about twice as many
         if training.fused_pointwise:
-            kernels -= _KERNELS_FUSED_BY_COMPILE
+            kernels = model.layer_kernels_fused(i, fused)
+            kernels_backward = 2 * kernels
+        else:
+            kernels = model.layer_kernels_forward(i, fused)
+            kernels_backward = model.layer_kernels_forward(i, fused, backward=True)
         local_experts_t = expert_tensors[: len(expert_tensors) // deg.ep] if expert_tensors else ()
         units.append(MPUnit(
             name=f"layer{i}", dense_params=dense_params, expert_params=expert_params, pre=pre, remote=attn_remote,
@@ -296,7 +303,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
             cp_bytes=cp_bytes, ep_bytes=ep_bytes, p2p_bytes=p2p_bytes, is_moe=moe,
             tensors=tuple(x if x == h else x / t for x in dense_tensors),
             expert_tensors=tuple(x / deg.etp for x in local_experts_t),
-            kernels_forward=kernels, kernels_backward=kernels * (3 if mode == "full" else 2),
+            kernels_forward=kernels, kernels_backward=kernels_backward + (kernels if mode == "full" else 0),
         ))
     head_gemm = Gemm(local, vocab / t, h)
     # The loss, kernel by kernel per logit [INF]: the GEMM writes bf16 logits (2 bytes), the
@@ -310,7 +317,11 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         tp_bytes=tp_bytes, **_tp_calls("head", 1, deg, mode), p2p_bytes=p2p_bytes,
         tp_logits_bytes=local * vocab * act if t > 1 else 0.0,
         tp_sp_params=model.final_norm_params() if t > 1 and deg.sequence_parallel else 0.0,
-        tensors=((model.head_params() / t) + model.final_norm_params(),), kernels_forward=4, kernels_backward=4,
+        tensors=((model.head_params() / t) + model.final_norm_params(),),
+        # eager ATen ops: the final norm, the LM head's linear (4 / 9, Model.layer_kernels_forward)
+        # and the cross-entropy loss (view, view, _log_softmax, nll_loss_forward, detach /
+        # ones_like, nll_loss_backward, _log_softmax_backward_data, view, ...: 5 / 5, counted)
+        kernels_forward=model.norm_ops()[0] + 4 + 5, kernels_backward=model.norm_ops()[1] + 9 + 5,
     ))
     return units
 

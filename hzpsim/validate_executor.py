@@ -279,9 +279,10 @@ def _row(scenario: Scenario, choice: StrategyChoice, spec, measured, predicted: 
     mapping = {
         "model": dataclasses.asdict(scenario.model),
         "training": dataclasses.asdict(scenario.training),
-        # the resolved fabric, as scenario keys (the calibrated device is re-read at load)
+        # the resolved fabric, as scenario keys (the calibrated device is re-read at load); a
+        # device without a TDP resolves its power limit to 0.0, which a scenario cannot state
         "cluster": {k: v for k, v in dataclasses.asdict(scenario.cluster).items()
-                    if v is not None and k != "device_overrides"},
+                    if v is not None and k != "device_overrides" and not (k == "device_power_limit_w" and not v)},
         "strategy": resolved,
     }
     mapping["model"]["moe"] = mapping["model"]["moe"] if scenario.model.moe else None

@@ -253,7 +253,8 @@ def make_parser() -> argparse.ArgumentParser:
         p.add_argument("--trace", metavar="FILE", help="write the reported step as a Chrome/Perfetto trace (one strategy)")
         p.add_argument("--plot", metavar="FILE", help="write a figure (PNG/SVG/PDF): the strategies compared; "
                        "with one strategy, its stream timeline and memory over the step")
-        p.add_argument("--profile", metavar="FILE", help="calibration profile JSON (default: the shipped fit)")
+        p.add_argument("--profile", dest="calibration_profile", metavar="FILE",
+                       help="calibration profile JSON (default: the shipped fit)")
     p = sub.add_parser("search", help="search the whole strategy space for the best layout of each family")
     p.add_argument("scenario", nargs="?", help="scenario YAML file (omit for the built-in default)")
     p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a field, e.g. cluster.num_nodes=16")
@@ -267,7 +268,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--dask", metavar="ADDRESS", help="run the simulations on this Dask scheduler (tcp://host:8786)")
     p.add_argument("--workers", metavar="N", help="local worker processes (default: one per core; 1 = this process)")
     p.add_argument("--exhaustive", action="store_true", help="simulate every valid candidate (no pruning; slow)")
-    p.add_argument("--profile", metavar="FILE", help="calibration profile JSON (default: the shipped fit)")
+    p.add_argument("--profile", dest="calibration_profile", metavar="FILE",
+                   help="calibration profile JSON (default: the shipped fit)")
     p.add_argument("--json", action="store_true", help="print one JSON document (docs/contract.md)")
     p.add_argument("--plot", metavar="FILE", help="write the search landscape (throughput vs memory) to FILE")
     p = sub.add_parser("regress", help="check predictions against a goldens file (exit 1 if one moved)")
@@ -286,7 +288,9 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
-        calibration_command.load_profile_option(getattr(args, "profile", None))
+        # --profile of run, compare, search and validate published (validate executor's
+        # --profile is its machine profile, a different file)
+        calibration_command.load_profile_option(getattr(args, "calibration_profile", None))
         if args.command == "list":
             return _cmd_list(args)
         if hasattr(args, "handler"):

@@ -141,3 +141,13 @@ def test_constants_doc_table_is_the_shipped_profile() -> None:
     doc = (Path(__file__).resolve().parents[1] / "docs" / "hardware-constants.md").read_text()
     block = doc.split("<!-- calibration:begin -->\n", 1)[1].split("<!-- calibration:end -->", 1)[0]
     assert block.strip() == calibrate.constants_table(calibration.load(calibration.DEFAULT_PATH)).strip()
+
+
+def test_validate_executor_keeps_its_own_profile_option() -> None:
+    """``validate executor --profile`` names a machine profile (YAML), not a calibration."""
+    from hzpsim.cli import make_parser
+
+    args = make_parser().parse_args(["validate", "executor", "--profile", "machine.yaml"])
+    assert getattr(args, "calibration_profile", None) is None
+    args = make_parser().parse_args(["validate", "published", "--profile", "fit.json"])
+    assert args.calibration_profile == "fit.json"

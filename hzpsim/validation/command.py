@@ -199,11 +199,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-rows", type=int, help="keep only the first N selected rows")
     parser.add_argument("--row", type=int, action="append", dest="rows", help="CSV row index (0-based); repeatable")
     parser.add_argument("--json", action="store_true", help="print {rows, summary} as JSON")
-    parser.add_argument("--profile", metavar="FILE",
+    parser.add_argument("--profile", dest="calibration_profile", metavar="FILE",
                         help="calibration profile JSON whose constants and folds to score (default: the shipped fit)")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
     """Run ``hzpsim validate published`` with parsed :func:`add_arguments` options."""
     return main_published(args.csv_path, args.families, args.sources, args.max_rows, args.json,
-                          args.max_devices, args.rows, profile=args.profile)
+                          args.max_devices, args.rows, profile=args.calibration_profile)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hzpsim.calibration import profile as calibration
 from hzpsim.cli import main
-from hzpsim.sim import compute
 
 GOLDENS = Path(__file__).parent / "goldens.yaml"
 TINY = {"model": "tiny-dense", "training": {"global_batch_size": 32},
@@ -46,12 +46,15 @@ def test_project_goldens_hold(capsys):
 
 
 def test_a_perturbed_cost_constant_fails_regress(capsys, monkeypatch):
-    """5 % slower GEMMs on H100 move the H100 goldens beyond 0.5 %: exit 1, the key named."""
-    h100 = compute.EFFICIENCY["h100-sxm"]
+    """5 % slower GEMMs on H100 (the calibrated constant) move the H100 goldens beyond 0.5 %:
+    exit 1, the key named."""
     rc, _, _ = cli(capsys, "regress", str(GOLDENS), "--only", "llama2-7b-megatron-fsdp-h100")
     assert rc == 0
-    monkeypatch.setitem(compute.EFFICIENCY, "h100-sxm", dataclasses.replace(h100, gemm=h100.gemm * 0.95))
-    rc, out, _ = cli(capsys, "regress", str(GOLDENS), "--only", "llama2-7b-megatron-fsdp-h100")
+    fit = calibration.active()
+    slower = dataclasses.replace(fit, constants={**fit.constants,
+                                                 "gemm_sm_efficiency.h100": fit["gemm_sm_efficiency.h100"] * 0.95})
+    with calibration.using(slower):
+        rc, out, _ = cli(capsys, "regress", str(GOLDENS), "--only", "llama2-7b-megatron-fsdp-h100")
     assert rc == 1
     assert "MOVED" in out and "step_time_s" in out and "moved beyond tolerance" in out
 

@@ -61,7 +61,8 @@ def test_sc21_table1_first_row_exact_mapping(cases):
             "norm_bias": True, "position_embedding": "learned", "dropout": True,
         },
         "training": {"global_batch_size": 512, "micro_batch_size": 16, "precision": "fp16",
-                     "activation_recompute": "full", "flash_attention": False},  # Megatron-LM 2021
+                     "activation_recompute": "full", "flash_attention": False,  # Megatron-LM 2021
+                     "fused_kernels": True},  # its fused bias-dropout-add, bias-GeLU, softmax
         "cluster": {"device": "a100-80gb", "num_nodes": 4},  # Selene = the dgx-a100 preset
         "strategy": {"name": "nd", "tp": 1, "pp": 1, "dp": 32, "cp": 1, "ep": 1, "vpp": 1,
                      "zero_stage": 0, "sequence_parallel": False,

@@ -38,6 +38,7 @@ here are informational.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import functools
 import math
@@ -459,12 +460,13 @@ def constants_table(profile: Profile) -> str:
     return "\n".join(lines)
 
 
-def load_profile_option(path: str | None) -> None:
-    """``--profile FILE``: use that profile for this command (ScenarioError if unreadable)."""
+def profile_option(path: str | None) -> contextlib.AbstractContextManager[Any]:
+    """``--profile FILE``: a context in which that profile is active (the active profile is
+    restored after the command); ScenarioError if the file is unreadable."""
     if path is None:
-        return
+        return contextlib.nullcontext()
     try:
-        calibration.set_active(calibration.load(path))
+        return calibration.using(calibration.load(path))
     except ValueError as exc:
         raise ScenarioError(f"--profile: {exc}") from None
 

@@ -285,23 +285,27 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "list":
+        return _cmd_list(args)
+    if hasattr(args, "handler"):
+        return int(args.handler(args))
+    if args.command == "validate":
+        return validation.run_from_args(args)
+    if args.command == "search":
+        return _cmd_search(args)
+    if args.command == "regress":
+        return regress.run_from_args(args)
+    return _cmd_run(args, compare=args.command == "compare")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     try:
         # --profile of run, compare, search and validate published (validate executor's
-        # --profile is its machine profile, a different file)
-        calibration_command.load_profile_option(getattr(args, "calibration_profile", None))
-        if args.command == "list":
-            return _cmd_list(args)
-        if hasattr(args, "handler"):
-            return int(args.handler(args))
-        if args.command == "validate":
-            return validation.run_from_args(args)
-        if args.command == "search":
-            return _cmd_search(args)
-        if args.command == "regress":
-            return regress.run_from_args(args)
-        return _cmd_run(args, compare=args.command == "compare")
+        # --profile is its machine profile, a different file); active for this command only
+        with calibration_command.profile_option(getattr(args, "calibration_profile", None)):
+            return _dispatch(args)
     except (ScenarioError, GraphError) as exc:
         print(f"hzpsim: error: {exc}", file=sys.stderr)
         return 2

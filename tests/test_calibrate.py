@@ -151,3 +151,16 @@ def test_validate_executor_keeps_its_own_profile_option() -> None:
     assert getattr(args, "calibration_profile", None) is None
     args = make_parser().parse_args(["validate", "published", "--profile", "fit.json"])
     assert args.calibration_profile == "fit.json"
+
+
+def test_a_command_profile_does_not_outlive_the_command(tmp_path: Path) -> None:
+    """``--profile`` is active for its command only: later simulations in the same process
+    (a notebook, the test suite) use the shipped fit again."""
+    before = calibration.active()
+    p = calibration.Profile({**calibration.priors(), "attention_kernel_fraction": 0.7})
+    path = tmp_path / "p.json"
+    path.write_text(p.to_json())
+    sc = tmp_path / "s.yaml"
+    sc.write_text(yaml.safe_dump(SCENARIOS[0]))
+    assert main(["run", str(sc), "--profile", str(path), "--json"]) == 0
+    assert calibration.active() is before

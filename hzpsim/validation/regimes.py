@@ -15,17 +15,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from hzpsim.calibrate import Measurement
+from hzpsim.model import Model
 from hzpsim.validation.mapping import Case
 
 REGIMES = ("Megatron ND", "FSDP/ZeRO-3", "DeepSpeed ZeRO", "HSDP", "MoE", "long context")
 LONG_CONTEXT_TOKENS = 16384
 
 
-def regimes_of(mapping: dict) -> tuple[str, ...]:
+def regimes_of(mapping: dict, model: Model | None = None) -> tuple[str, ...]:
+    """The regimes of a scenario mapping (``model``: its already-loaded model, if at hand)."""
     from hzpsim.scenario import scenario_from_mapping
 
     strategy = mapping["strategy"]
-    model = scenario_from_mapping(mapping).model
+    model = model or scenario_from_mapping(mapping).model
     name, impl = strategy["name"], str(strategy.get("implementation", ""))
     out: list[str] = []
     if name == "nd":
@@ -51,9 +53,8 @@ def measurements(cases: Iterable[Case]) -> list[Measurement]:
         if not case.runnable or tps is None or case.scenario_mapping is None:
             continue
         try:
-            regimes_of(case.scenario_mapping)
+            regimes = regimes_of(case.scenario_mapping)
         except ScenarioError:  # an invalid row (validate published lists it)
             continue
-        out.append(Measurement(case.label, case.source_id, case.scenario_mapping, float(tps),
-                               regimes_of(case.scenario_mapping)))
+        out.append(Measurement(case.label, case.source_id, case.scenario_mapping, float(tps), regimes))
     return out

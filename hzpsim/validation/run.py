@@ -92,8 +92,8 @@ def validate_published(
             continue
         t0 = time.perf_counter()
         try:
+            # the scenario does not depend on the calibration; its simulation does
             with calibration.using(profile):
-                scenario = scenario_from_mapping(case.scenario_mapping, source=case.label)
                 report = run_choice(scenario, scenario.strategies[0], expand=expand)
             fold = profile.for_fold(case.source_id)
             cv_report = None
@@ -101,14 +101,13 @@ def validate_published(
                 cv_report = report
                 if dict(fold.constants) != dict(profile.constants):
                     with calibration.using(fold):
-                        cv_scenario = scenario_from_mapping(case.scenario_mapping, source=case.label)
-                        cv_report = run_choice(cv_scenario, cv_scenario.strategies[0], expand=expand)
+                        cv_report = run_choice(scenario, scenario.strategies[0], expand=expand)
         except Exception as exc:  # a simulator bug on a valid scenario: record, keep going
             rec.update(status="error", reason=f"{type(exc).__name__}: {exc}")
             records.append(rec)
             continue
         wall = time.perf_counter() - t0
-        rec["regimes"] = ", ".join(regimes_of(case.scenario_mapping or {}))
+        rec["regimes"] = ", ".join(regimes_of(case.scenario_mapping or {}, scenario.model))
         if cv_report is not None:
             rec["cv_pred_tokens_per_s_per_gpu"] = cv_report["tokens_per_s_per_device"]
             rec["cv_err_tokens_pct"] = _pct(cv_report["tokens_per_s_per_device"], meas["tokens_per_s_per_gpu"])

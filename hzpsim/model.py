@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-RecomputeMode = Literal["none", "selective", "full"]
-_RECOMPUTE_MODES = ("none", "selective", "full")
+RecomputeMode = Literal["none", "selective", "op", "full"]
+_RECOMPUTE_MODES = ("none", "selective", "op", "full")
 
 
 @dataclass(frozen=True)
@@ -624,17 +624,52 @@ class Model:
         """LM head forward FLOPs, 2·h·V·tokens (backward = 2 × this)."""
         return 2.0 * self.hidden_size * self.vocab_size * num_tokens
 
+    def op_sac_recomputed_linears(self, i: int, float8: bool = False) -> dict[str, list[tuple[int, int, str]]]:
+        """The linears of layer ``i`` that per-op selective activation checkpointing
+        (``activation_recompute: op``) runs again in the backward, keyed as ``layer_linears``.
+
+        torchtitan's policy (``torchtitan/distributed/activation_checkpoint.py``,
+        ``_get_custom_policy`` / ``_custom_policy`` with its ``_save_list``; before 2025-09 in
+        ``models/llama3/infra/parallelize.py``): the outputs of ``aten.mm``, of the flash /
+        efficient SDPA kernels, of the functional ``reduce_scatter_tensor`` and of ``aten.max``
+        are saved, except every second ``aten.mm`` of the block in forward order; every other op
+        is recomputed. The forward order is the attention block's linears, the router's gate,
+        then the (shared-expert) MLP's (Llama: wq, wk, wv, wo, w1, w3, w2, so wk, wo and w3 run
+        again). Routed experts run ``_grouped_mm`` and float8 linears (``float8``: torchao's
+        ``_scaled_mm``) are not in the save list: they run again, and do not advance the mm
+        count."""
+        linears = self.layer_linears(i)
+        redo: dict[str, list[tuple[int, int, str]]] = {key: [] for key in linears}
+        count = 0
+        for block in ("attention", "router", "mlp"):
+            for linear in linears[block]:
+                if float8 and block != "router":  # _scaled_mm: not saved, not counted
+                    redo[block].append(linear)
+                    continue
+                count += 1
+                if count % 2 == 0:
+                    redo[block].append(linear)
+        redo["expert"] = list(linears["expert"])
+        return redo
+
     def recompute_forward_flops(
-        self, i: int, num_tokens: int, mode: RecomputeMode, causal: bool = True
+        self, i: int, num_tokens: int, mode: RecomputeMode, causal: bool = True, float8: bool = False
     ) -> float:
         """Extra forward FLOPs of layer ``i`` spent on activation recomputation in backward:
         full = the whole layer forward again; selective = the attention core only
-        (Korthikanti §5); none = 0."""
+        (Korthikanti §5); op = the linears ``op_sac_recomputed_linears`` names (the attention
+        kernel's output is saved); none = 0."""
         if mode not in _RECOMPUTE_MODES:
-            raise ValueError(f"recompute: {mode!r} is not one of: none, selective, full")
+            raise ValueError(f"recompute: {mode!r} is not one of: {', '.join(_RECOMPUTE_MODES)}")
         if mode == "none":
             return 0.0
         flops = self.layer_forward_flops(i, num_tokens, causal)
+        if mode == "op":
+            redo = self.op_sac_recomputed_linears(i, float8)
+            top_k = self.moe.top_k if self.moe and self.is_moe_layer(i) else 0
+            per_token = sum(k * n for block in ("attention", "router", "mlp") for k, n, _ in redo[block])
+            per_token += top_k * sum(k * n for k, n, _ in redo["expert"])
+            return 2.0 * per_token * num_tokens
         return flops["attention"] if mode == "selective" else flops["gemm"] + flops["attention"]
 
     def training_flops_per_token(
@@ -754,6 +789,7 @@ class Model:
         flash_attention: bool = True,
         cp: int = 1,
         act_bytes: int = 2,
+        float8: bool = False,
     ) -> float:
         """Activation bytes layer ``i`` keeps for its backward, per device (Korthikanti Table 2).
 
@@ -766,10 +802,15 @@ class Model:
           statistics are ignored). GPT MHA/GELU/4h, cp=1: sbh(34 + 5as/h) with t=1;
           sbh(10 + 24/t + 5as/(ht)) with TP; sbh/t·(34 + 5as/h) with TP+SP.
         - selective: as none without the score term (34·sbh/t with TP+SP).
+        - op (per-op selective checkpointing, ``op_sac_recomputed_linears``): the layer input,
+          the outputs of the linears it does not run again (column-parallel: N/t per token;
+          row-parallel: the whole h-wide partial sum, plus the reduce-scatter's h/t under
+          sequence parallelism), the router's logits, and with flash attention the kernel's
+          output and its fp32 log-sum-exp (4·a/t bytes).
         - full: only the layer input, act_bytes·s·b·h (/t with sequence parallel) = 2sbh.
         """
         if recompute not in _RECOMPUTE_MODES:
-            raise ValueError(f"recompute: {recompute!r} is not one of: none, selective, full")
+            raise ValueError(f"recompute: {recompute!r} is not one of: {', '.join(_RECOMPUTE_MODES)}")
         for name, value in (("micro_batch_size", micro_batch_size), ("tp", tp), ("cp", cp)):
             if value < 1:
                 raise ValueError(f"{name}: must be >= 1, got {value}")
@@ -778,6 +819,24 @@ class Model:
         rep_div = tp if sequence_parallel else 1
         if recompute == "full":
             return act_bytes * sb * self.hidden_size / rep_div
+        if recompute == "op":
+            h = self.hidden_size
+            redo = self.op_sac_recomputed_linears(i, float8)
+            per_token = act_bytes * h / rep_div  # the checkpointed block's input
+            for block in ("attention", "router", "mlp"):
+                kept = list(self.layer_linears(i)[block])
+                for linear in redo[block]:
+                    kept.remove(linear)
+                for _, n, split_kind in kept:
+                    if split_kind == "column":
+                        per_token += act_bytes * n / tp
+                    else:  # row-parallel (or the unsplit router): the mm's whole output
+                        per_token += act_bytes * n
+                        if split_kind == "row" and tp > 1 and sequence_parallel:
+                            per_token += act_bytes * n / tp  # the saved reduce-scatter output
+            if flash_attention:
+                per_token += (act_bytes * self.num_heads * self.v_head_dim_resolved + 4 * self.num_heads) / tp
+            return sb * per_token
         replicated = split = 0.0
         for per_token, kind in self.activation_terms_per_token(i, act_bytes).values():
             if kind == "replicated":

@@ -168,7 +168,8 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     peak_flops = device.peak_flops_per_s(graph.compute_dtype)
     model_flops = model.model_flops_per_token() * tokens
     # recompute on the model-FLOPs basis (full attention, no causal halving)
-    recompute_flops = tokens * sum(model.recompute_forward_flops(i, 1, training.activation_recompute, causal=False)
+    recompute_flops = tokens * sum(model.recompute_forward_flops(i, 1, training.activation_recompute, causal=False,
+                                                                 float8=training.precision == "fp8")
                                    for i in range(model.num_layers))
     mfu = model_flops / (step_time * n * peak_flops)
     hfu = (model_flops + recompute_flops) / (step_time * n * peak_flops)

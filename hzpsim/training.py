@@ -18,7 +18,9 @@ class Training:
     micro_batch_size: int = 1  # sequences per micro-batch per model replica
     precision: Precision = "bf16"  # dtype of GEMMs and of the working parameter copy
     grad_dtype: Literal["fp32", "bf16"] = "fp32"  # dtype gradients are accumulated and reduced in
-    activation_recompute: Literal["none", "selective", "full"] = "none"
+    activation_recompute: Literal["none", "selective", "op", "full"] = "none"  # selective: the
+    # attention core (Megatron, Korthikanti §5); op: per-op selective checkpointing (torchtitan's
+    # policy: every second matmul and every memory-bound kernel, Model.op_sac_recomputed_linears)
     flash_attention: bool = True  # attention scores are never stored (no s^2 activation term)
     autocast: bool = False  # torch.autocast mixed precision: fp32 residual stream and elementwise
     # kernels, GEMM inputs cast to `precision` (LLM-Foundry amp_bf16); false = pure bf16 (Megatron, FSDP2)

@@ -45,7 +45,8 @@ def _model(**overrides: object) -> Model:
     return Model(**base)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("tp,cp,fused,recompute", [(1, 1, True, "none"), (4, 2, True, "full"), (8, 1, False, "selective")])
+@pytest.mark.parametrize("tp,cp,fused,recompute", [(1, 1, True, "none"), (4, 2, True, "full"), (8, 1, False, "selective"),
+                                                    (4, 2, True, "op"), (1, 1, False, "op")])
 def test_unit_shapes_give_the_model_formula_flops(tp: int, cp: int, fused: bool, recompute: str) -> None:
     """Per layer: GEMM FLOPs = 2 × active matmul params × local tokens / t, attention FLOPs =
     layer_forward_flops / (t·c); the backward is twice the forward plus the recompute."""
@@ -63,9 +64,39 @@ def test_unit_shapes_give_the_model_formula_flops(tp: int, cp: int, fused: bool,
     assert forward.attention_forward == pytest.approx(attention, rel=1e-12)
     assert total_flops(forward.shapes) == pytest.approx(gemm + attention, rel=1e-12)
     backward = unit.backward + unit.backward_remote
-    extra = {"none": 0.0, "selective": ref["attention"] / (tp * cp), "full": gemm + attention}[recompute]
+    extra = {"none": 0.0, "selective": ref["attention"] / (tp * cp), "full": gemm + attention,
+             # per-op SAC: the linears it does not save, and unfused attention's score products
+             "op": (model.recompute_forward_flops(0, tokens, "op")
+                    + (0.0 if fused else ref["attention"])) / (tp * cp)}[recompute]
     assert backward.gemm + backward.attention_forward + backward.attention_backward == pytest.approx(
         2 * (gemm + attention) + extra, rel=1e-12)
+
+
+def test_per_op_checkpointing_follows_torchtitans_policy() -> None:
+    """torchtitan's per-op SAC saves every mm output but every second one (Llama: wk, wo and w3
+    run again), saves nothing of float8's _scaled_mm, keeps the reduce-scatters' outputs and
+    re-issues the sequence-parallel all-gathers; it keeps less than no recompute and more
+    than full recompute."""
+    model = _model()
+    h, kv, f = 4096, 8 * 128, 11008
+    redo = model.op_sac_recomputed_linears(0)
+    assert redo["attention"] == [(h, kv, "column"), (h, h, "row")] and redo["mlp"] == [(h, f, "column")]
+    float8 = model.op_sac_recomputed_linears(0, float8=True)
+    assert float8["attention"] == model.layer_linears(0)["attention"] and float8["mlp"] == model.layer_linears(0)["mlp"]
+    tokens = 8192
+    assert model.recompute_forward_flops(0, tokens, "op") == 2 * tokens * (h * kv + h * h + h * f)
+    kept = {mode: model.activation_bytes_per_layer(0, 2, tp=8, sequence_parallel=True, recompute=mode)
+            for mode in ("none", "op", "full")}
+    assert kept["full"] < kept["op"] < kept["none"]
+    assert model.activation_bytes_per_layer(0, 2, recompute="op", float8=True) < model.activation_bytes_per_layer(
+        0, 2, recompute="op")
+    dims = ParallelDims(tp=8, dp=1, sequence_parallel=True)
+    layer = {mode: mp_units(model, Training(activation_recompute=mode), dims)[1] for mode in ("none", "op", "full")}  # type: ignore[arg-type]
+    assert (layer["op"].tp_gathers_backward, layer["op"].tp_scatters_backward) == (4, 2)
+    assert (layer["full"].tp_gathers_backward, layer["full"].tp_scatters_backward) == (4, 4)
+    assert (layer["none"].tp_gathers_backward, layer["none"].tp_scatters_backward) == (2, 2)
+    # every memory-bound kernel runs again
+    assert layer["op"].backward.bytes_accessed == pytest.approx(1.5 * layer["none"].backward.bytes_accessed)
 
 
 def test_moe_and_mla_layers_keep_their_flops() -> None:

@@ -261,3 +261,37 @@ def test_megatron_2021_synchronises_after_every_pipeline_send_and_receive():
     core, _ = trace_of(scenario({**strategy, "implementation": "megatron-core"}, nodes=1,
                                 global_batch_size=m, micro_batch_size=1))
     assert not [op for op in core.ops if "sync" in op.name or op.name.startswith("host.call.send")]
+
+
+def test_tp_comm_overlap_hides_behind_its_own_pass_and_waits_for_it():
+    """Async TP / TE's overlap: the hidden share of a pass's TP transfers starts with the pass
+    (its inputs) and the exposed share waits for it, so a pass takes max(compute, hidden) +
+    exposed; the hidden share never outruns the links."""
+    from hzpsim import frames
+
+    def ops(overlap: float, backward: bool = True):
+        s = scenario_from_mapping({
+            "model": {"preset": "llama3-8b", "num_layers": 2}, "cluster": {"preset": "dgx-h100", "num_nodes": 1},
+            "training": {"global_batch_size": 2, "micro_batch_size": 1},
+            "strategy": {"name": "nd", "tp": 8, "sequence_parallel": True, "tp_comm_overlap": overlap,
+                         "tp_comm_overlap_backward": backward}})
+        report, trace = frames.simulate(s)
+        df = frames.ops_frame(trace)
+        return report, df[df["rank"] == 0].set_index("name")
+
+    report, rank0 = ops(0.875)
+    hidden = [n for n in rank0.index if n.endswith(".overlapped")]
+    assert hidden
+    for name in hidden:
+        exposed = rank0.loc[name.removesuffix(".overlapped")]
+        assert exposed["start_s"] >= rank0.loc[name, "end_s"] - 1e-12
+        assert rank0.loc[name, "stream"] == "tp" and exposed["stream"] == "compute"
+    first = rank0.loc["tp.fwd.layer0.mb0.ag.overlapped"]
+    assert first["start_s"] <= rank0.loc["fwd.layer0.mb0", "start_s"]  # with the pass, not after it
+    plain, _ = ops(0.0)
+    assert report["step_time_s"] < plain["step_time_s"]
+    # PyTorch's async TP: the forward's transfers only
+    forward_only, rank0 = ops(0.875, backward=False)
+    hidden = [n for n in rank0.index if n.endswith(".overlapped")]
+    assert hidden and all(n.startswith("tp.fwd.") for n in hidden)
+    assert report["step_time_s"] < forward_only["step_time_s"] < plain["step_time_s"]

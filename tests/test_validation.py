@@ -134,7 +134,17 @@ def test_zero2_and_grand_teton_rows(cases):
     t = cases[95]  # H100 96GB Grand Teton -> h100-sxm with a recorded caveat
     assert t.scenario_mapping["cluster"]["device"] == "h100-sxm"
     assert any("96GB" in x for x in t.caveats)
-    assert t.scenario_mapping["training"]["activation_recompute"] == "selective"
+    # torchtitan's selective AC is per-op SAC
+    assert t.scenario_mapping["training"]["activation_recompute"] == "op"
+    # async TP hides all but one of the t shards' transfers; vanilla TP hides none
+    assert cases[110].scenario_mapping["strategy"]["tp_comm_overlap"] == pytest.approx(7 / 8)
+    assert cases[110].scenario_mapping["strategy"]["tp_comm_overlap_backward"] is False  # PyTorch's: forward only
+    assert "tp_comm_overlap" not in cases[109].scenario_mapping["strategy"]
+    # Transformer Engine on Hopper runs cuDNN's fused attention; torchtitan keeps PyTorch's default
+    nemo_h100 = [c for c in cases if c.runnable and "nemo" in c.system.lower()
+                 and c.scenario_mapping["cluster"].get("device") == "h100-sxm"]
+    assert nemo_h100 and all(c.scenario_mapping["training"]["attention_kernel"] == "cudnn" for c in nemo_h100)
+    assert "attention_kernel" not in cases[110].scenario_mapping["training"]
 
 
 def _row(**kw):
@@ -196,6 +206,8 @@ def test_precision_and_recompute_rules():
     assert map_precision("", "v100")[0] == "fp16"
     assert map_recompute("full (implied by formula)")[0] == "full"
     assert map_recompute("selective (per-op SAC)")[0] == "selective"
+    assert map_recompute("selective (per-op SAC)", "torchtitan (vanilla TP, compile)")[0] == "op"
+    assert map_recompute("selective", "Megatron-LM")[0] == "selective"
     assert map_recompute("")[0] == "none" and map_recompute("")[1]
 
 

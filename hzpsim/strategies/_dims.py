@@ -45,6 +45,8 @@ class ParallelDims:
     """Megatron's sequence parallelism: norms and dropout split over the TP ranks."""
     tp_comm_overlap: float = 0.0
     """Fraction (0–1) of TP communication hidden behind compute."""
+    tp_comm_overlap_backward: bool = True
+    """Whether the backward's TP communication is hidden too (false: the forward's only)."""
     moe_imbalance: float = 1.0
     """Busiest expert rank's routed tokens over the mean (≥ 1)."""
 

@@ -134,10 +134,15 @@ def _tp_calls(role: str, per_pass: int, deg: ParallelDims, recompute: str) -> di
     reduce_from_tensor_model_parallel_region), "head" (backward only: the output layer's
     copy_to_tensor_model_parallel_region) or "layer" (both; the full recompute repeats the
     forward's). With sequence parallelism every all-reduce becomes the pair of
-    mappings.py's gather and reduce-scatter, whose backwards are each other."""
+    mappings.py's gather and reduce-scatter, whose backwards are each other. Per-op selective
+    checkpointing (``op``) saves the functional ``reduce_scatter_tensor``'s output but not the
+    all-gather's or the all-reduce's: the recompute issues those again (torchtitan's
+    ``_save_list``; under torch.compile the partitioner recomputes collectives that a user's
+    checkpoint policy marks, ``torch/_functorch/partitioners.py::force_save_collectives``)."""
     if deg.tp == 1 or not per_pass:
         return {}
-    again = 2 if recompute == "full" else 1
+    again = 2 if recompute in ("full", "op") else 1
+    scatters_again = 2 if recompute == "full" else 1
     if not deg.sequence_parallel:
         forward = per_pass if role != "head" else 0
         backward = {"embed": 0, "head": per_pass, "layer": per_pass * again}[role]
@@ -147,7 +152,7 @@ def _tp_calls(role: str, per_pass: int, deg: ParallelDims, recompute: str) -> di
     if role == "head":  # gather_from_sequence_parallel_region; its backward reduce-scatters
         return {"tp_gathers_forward": per_pass, "tp_scatters_backward": per_pass}
     return {"tp_gathers_forward": per_pass, "tp_scatters_forward": per_pass,
-            "tp_gathers_backward": per_pass * again, "tp_scatters_backward": per_pass * again}
+            "tp_gathers_backward": per_pass * again, "tp_scatters_backward": per_pass * scatters_again}
 
 
 def _gemms(linears: Sequence[tuple[int, int, str]], tokens: float, t: int) -> list[Gemm]:
@@ -214,7 +219,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         )
         kept = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute=mode,
-            flash_attention=fused, cp=c, act_bytes=act,
+            flash_attention=fused, cp=c, act_bytes=act, float8=training.precision == "fp8",
         )
         traffic = 0.0
         for name, (per_token, kind) in model.elementwise_bytes_per_token(i, elementwise_bytes).items():
@@ -240,8 +245,8 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
             # the busiest rank's imbalance), expert weights split by etp
             local_experts = model.moe.num_experts / deg.ep
             per_expert = sp_tokens * k * deg.moe_imbalance / local_experts
-            mlp_gemms = [*_gemms(linears["mlp"], local, t), *_gemms(linears["router"], sp_tokens, 1),
-                         *(g._replace(batch=local_experts) for g in _gemms(linears["expert"], per_expert, deg.etp))]
+            experts = [g._replace(batch=local_experts) for g in _gemms(linears["expert"], per_expert, deg.etp)]
+            mlp_gemms = [*_gemms(linears["mlp"], local, t), *_gemms(linears["router"], sp_tokens, 1), *experts]
             dense_params = model.attention_params() / t + norms + model.router_params() + (
                 model.moe.num_shared_experts * model.shared_expert_params() / t
             )
@@ -249,6 +254,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
             ep_bytes = sp_tokens * k * h * act if deg.ep > 1 else 0.0
         else:
             mlp_gemms = _gemms(linears["mlp"], local, t)
+            experts = []
             dense_params = model.layer_params(i) / t + norms * (1 - 1 / t)
             expert_params = 0.0
             ep_bytes = 0.0
@@ -269,6 +275,11 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
             backward_traffic += traffic
         elif mode == "selective":  # the attention core again
             backward_shapes += [*attn_core, *attn_scores]
+        elif mode == "op":  # per-op SAC: the linears not saved and every memory-bound kernel
+            redo = model.op_sac_recomputed_linears(i, float8=training.precision == "fp8")
+            backward_shapes += [*_gemms(redo["attention"], local, t), *_gemms(redo["router"], sp_tokens, 1),
+                                *_gemms(redo["mlp"], local, t), *experts, *attn_scores]
+            backward_traffic += traffic
         attn_local = Work.of(attn_core).scaled(1 / c) if c > 1 else Work.of(attn_core)
         attn_remote = Work.of(attn_core).scaled(1 - 1 / c) if c > 1 else Work()
         pre = Work.of(pre_shapes, traffic * 0.5) + attn_local
@@ -303,7 +314,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
             cp_bytes=cp_bytes, ep_bytes=ep_bytes, p2p_bytes=p2p_bytes, is_moe=moe,
             tensors=tuple(x if x == h else x / t for x in dense_tensors),
             expert_tensors=tuple(x / deg.etp for x in local_experts_t),
-            kernels_forward=kernels, kernels_backward=kernels_backward + (kernels if mode == "full" else 0),
+            kernels_forward=kernels, kernels_backward=kernels_backward + (kernels if mode in ("full", "op") else 0),
         ))
     head_gemm = Gemm(local, vocab / t, h)
     # The loss, kernel by kernel per logit [INF]: the GEMM writes bf16 logits (2 bytes), the
@@ -367,20 +378,34 @@ class UnitEmitter:
             dim: emit.groups_for(lambda lane, dim=dim: group_of(dim, lane), sizes[dim]) for dim in sizes
         }
 
-    def _tp(self, unit: MPUnit, forward: bool, label: str, deps: Sequence[Ids | None], step: int) -> Ids | None:
-        """The pass's TP collectives (:meth:`MPUnit.tp_calls`) one after the other after ``deps``."""
-        hidden = self.deg.tp_comm_overlap
+    def _tp(self, unit: MPUnit, forward: bool, label: str, deps: Sequence[Ids | None], step: int,
+            overlap_from: Sequence[Ids | None] | None = None) -> Ids | None:
+        """The pass's TP collectives (:meth:`MPUnit.tp_calls`) one after the other after ``deps``
+        (the pass's last compute). With ``tp_comm_overlap`` the hidden share is the transfer
+        that a decomposed collective matmul (async TP: torch/distributed/_symmetric_memory
+        ``_fused_all_gather_matmul_impl`` / ``_fused_matmul_reduce_scatter_impl``; TE's
+        userbuffer overlap) moves while the pass's own matmuls run: it starts with the pass's
+        compute (``overlap_from``, the compute's inputs), and the exposed share waits for it, so
+        the pass takes max(compute, hidden transfer) + exposed transfer. PyTorch's async TP hides
+        the forward's only (``tp_comm_overlap_backward: false``): its announcement measured the
+        forward 29 % faster and the whole step 8 %, which the forward alone accounts for
+        (discuss.pytorch.org "Introducing Async Tensor Parallelism in PyTorch", Llama 3 8B)."""
+        hidden = self.deg.tp_comm_overlap if forward or self.deg.tp_comm_overlap_backward else 0.0
         last = deps[-1] if deps else None
         calls = unit.tp_calls(forward, self.emit.implementation.tp_gathers_logits)
         for kind, count, size in calls:
             tag = "logits" if size != unit.tp_bytes else {"all_reduce": "", "all_gather": "ag", "reduce_scatter": "rs"}[kind]
             name = f"tp.{label}.{tag}" if tag else f"tp.{label}"
-            if hidden > 0:  # the hidden share runs beside the next compute and only loads the links
-                self.emit.collective(kind, self.instances["tp"], size * hidden, f"{name}.overlapped",
-                                     "tp", "tp", deps, step, count=count, launch=False)
+            overlapped = None
+            if hidden > 0:
+                overlapped = self.emit.collective(kind, self.instances["tp"], size * hidden, f"{name}.overlapped",
+                                                  "tp", "tp", overlap_from if overlap_from is not None else deps,
+                                                  step, count=count, launch=False)
             if hidden < 1:
                 last = self.emit.collective(kind, self.instances["tp"], size * (1 - hidden), name,
-                                            "tp", "compute", [last], step, count=count, launch=False)
+                                            "tp", "compute", [last, overlapped], step, count=count, launch=False)
+            elif overlapped is not None:
+                last = overlapped
         return last if calls else None
 
     def sp_norm_reduce(self, size_bytes: float, deps: Sequence[Ids | None], step: int) -> Ids | None:
@@ -407,7 +432,7 @@ class UnitEmitter:
             last: Ids = emit.compute(f"fwd.{label}", "forward", unit.pre + unit.post, deps, step,
                                      alloc=alloc, free=free, kernels=unit.kernels_forward,
                                      calls=self._calls(unit, True))
-            return self._tp(unit, True, f"fwd.{label}", [last], step) or last
+            return self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
         has_post = bool(unit.post)
         last = emit.compute(f"fwd.{label}", "forward", unit.pre, deps, step, alloc=alloc,
                             free=None if (has_post or unit.cp_bytes) else free, kernels=unit.kernels_forward,
@@ -418,7 +443,7 @@ class UnitEmitter:
             last = emit.compute(f"fwd.remote.{label}", "forward", unit.remote, [last, ring], step,
                                 free=None if has_post else free)
         if unit.is_moe and unit.ep_bytes:
-            last = self._tp(unit, True, f"fwd.{label}", [last], step) or last
+            last = self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
             dispatch = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.{label}",
                                        "ep", "compute", [last], step, launch=False)
             experts = emit.compute(f"fwd.experts.{label}", "forward", unit.post, [dispatch], step, free=free)
@@ -426,7 +451,7 @@ class UnitEmitter:
                                    "ep", "compute", [experts], step, launch=False)
         if has_post:
             last = emit.compute(f"fwd.mlp.{label}", "forward", unit.post, [last], step, free=free)
-        return self._tp(unit, True, f"fwd.{label}", [last], step) or last
+        return self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
 
     def backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
                  alloc: dict[str, float], free: dict[str, float] | None) -> Ids:
@@ -448,7 +473,7 @@ class UnitEmitter:
         if unit.is_moe and unit.ep_bytes:
             last = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.bwd.{label}",
                                    "ep", "compute", [last], step, launch=False)
-        return self._tp(unit, False, f"bwd.{label}", [last], step) or last
+        return self._tp(unit, False, f"bwd.{label}", [last], step, overlap_from=start) or last
 
 
 class UnitPass:

@@ -20,6 +20,7 @@ from hzpsim.cluster.devices import get_device
 from hzpsim.cluster.topology import preset_spec
 from hzpsim.config import ScenarioError, from_mapping
 from hzpsim.model import Model
+from hzpsim.sim.compute import DEVICE_GROUP
 from hzpsim.strategies import _implementations
 from hzpsim.validation.cells import RowSkipped, blank, cell_text, need_whole, number, whole
 from hzpsim.validation.families import family_of
@@ -120,22 +121,20 @@ def map_precision(text: str, device: str) -> tuple[str, list[str]]:
     return fallback, [f"{what} -> {fallback} (same peak as the alternative on this device)"]
 
 
-def map_recompute(text: str) -> tuple[str, list[str]]:
+def map_recompute(text: str, system: str = "") -> tuple[str, list[str]]:
     """full* -> full, selective* -> selective, none -> none; blank -> none, the default of
     Megatron-LM, NeMo, torchtitan and DeepSpeed when no checkpointing flag is given. MFU on the
-    PaLM basis does not depend on it; predicted time does."""
+    PaLM basis does not depend on it; predicted time does. torchtitan's selective mode is
+    per-op selective checkpointing (``selective_ac_option = "op"``, the default of its Llama
+    configs, ``train_configs/llama3_8b.toml``) -> ``op``, unless the row names a layer period."""
     t = text.lower()
     for mode in ("full", "selective", "none"):
         if t.startswith(mode):
-            notes = []
-            if "per-op sac" in t or "toml" in t:
-                notes.append(
-                    f"act_recompute {text!r}: torchtitan selective AC (saves matmul outputs, "
-                    "recomputes the rest) simulated as Korthikanti-selective (attention core)"
-                )
-            return mode, notes
+            if mode == "selective" and "torchtitan" in system.lower():
+                return "op", [f"act_recompute {text!r}: torchtitan selective AC, per-op (its default "
+                              "selective_ac_option 'op') -> op"]
+            return mode, []
     return "none", ["act_recompute blank -> none (framework default without a checkpointing flag)"]
-
 
 
 def model_family(name: str) -> str:
@@ -438,7 +437,7 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
         assumptions += a
         precision, a = map_precision(cell_text(row, "precision"), device)
         assumptions += a
-        recompute, a = map_recompute(cell_text(row, "act_recompute"))
+        recompute, a = map_recompute(cell_text(row, "act_recompute"), cell_text(row, "system"))
         assumptions += a
         mbs = whole(row, "micro_batch")
         if mbs is None:
@@ -462,10 +461,18 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
             training["flash_attention"] = False
         if "compile" in cell_text(row, "system").lower():
             training["compile"] = True
-        if any(k in cell_text(row, "system").lower() for k in ("megatron", "nemo")):
+        system = cell_text(row, "system").lower()
+        if any(k in system for k in ("megatron", "nemo")):
             # Megatron-LM, Megatron-Core / NeMo / Megatron-Bridge and Megatron-DeepSpeed model
             # code: hand-fused pointwise kernels (bias-dropout-add, bias-GeLU/SwiGLU, TE's fused norms)
             training["fused_kernels"] = True
+        if (any(k in system for k in ("megatron-core", "megatron core", "nemo", "megatron-bridge"))
+                and training.get("flash_attention", True) and DEVICE_GROUP.get(device) == "h100"):
+            # Transformer Engine's DotProductAttention picks cuDNN's fused attention over
+            # FlashAttention on Hopper "for performance reasons" (TE >= 1.7, attention.py;
+            # now dot_product_attention/utils.py::get_attention_backend)
+            training["attention_kernel"] = "cudnn"
+            assumptions.append("Transformer Engine on Hopper: cuDNN fused attention (attention_kernel cudnn)")
         if "amp" in cell_text(row, "precision").lower():
             training["autocast"] = True
             assumptions.append("precision 'amp': torch.autocast (fp32 residual stream, casts before GEMMs)")
@@ -485,8 +492,20 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
         text = (cell_text(row, "notes") + " " + cell_text(row, "system")).lower()
         if "offload" in text:
             caveats.append("CPU offload of optimizer states / activations is not modelled")
-        if strategy.get("tp", 1) > 1 and ("async tp" in text or "asynctp" in text or "tp-comm-overlap" in text):
-            caveats.append("TP communication/compute overlap (async TP / tp-comm-overlap) is not modelled")
+        tp = strategy.get("tp", 1)
+        if tp > 1 and ("async tp" in text or "asynctp" in text or "tp-comm-overlap" in text):
+            # async TP (torch/distributed/_symmetric_memory/__init__.py:
+            # _fused_all_gather_matmul_impl / _fused_matmul_reduce_scatter_impl) and TE's
+            # tp-comm-overlap split each TP all-gather / reduce-scatter into t shards and run the
+            # matmul of one shard while the next moves: all but one shard's transfer is hidden
+            strategy["tp_comm_overlap"] = (tp - 1) / tp
+            assumptions.append(f"async TP / tp-comm-overlap: {tp - 1} of {tp} TP shards' transfers hidden behind "
+                               f"the matmul (tp_comm_overlap {(tp - 1) / tp:.3f})")
+            if "torchtitan" in cell_text(row, "system").lower():
+                # PyTorch's async TP: the forward's collective matmuls (forward +29 %, whole step +8 %
+                # in PyTorch's announcement: what the forward alone accounts for)
+                strategy["tp_comm_overlap_backward"] = False
+                assumptions.append("async TP (PyTorch): the forward's TP transfers only")
         if "peak" in cell_text(row, "notes").lower() and "not average" in cell_text(row, "notes").lower():
             caveats.append("measured value is a peak, not an average")
     except RowSkipped as exc:

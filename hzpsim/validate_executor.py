@@ -309,11 +309,28 @@ def _row(scenario: Scenario, choice: StrategyChoice, spec, measured, predicted: 
         "measured_model_state_breakdown_bytes": measured.model_state_breakdown_bytes,
         "measured_other_collective_counts": measured.other_collective_counts,
         "counting_complete": measured.counting_complete,
+        # CPU accounting of the measured steps (medians after warm-up): every rank's process CPU
+        # summed, and the whole machine's busy CPU (the other ranks' and anything else running)
+        "measured_cpu_s_per_step": _median_after_warmup(measured, "cpu_times_s", sum),
+        "measured_machine_busy_s_per_step": _median_after_warmup(measured, "machine_busy_cpu_s", max),
         "peak_memory_method": measured.peak_memory_method,
         "losses": measured.losses,
     }
     row["differences"] = differences(row)
     return row
+
+
+def _median_after_warmup(measured, key: str, combine) -> float | None:
+    """Median over the measured steps of ``combine`` over ranks of each rank's per-step ``key``."""
+    import statistics
+
+    ranks = [r for r in getattr(measured, "ranks", []) if key in r]
+    if not ranks:
+        return None
+    skip = measured.spec.warmup_steps
+    steps = min(len(r[key]) for r in ranks)
+    values = [combine(r[key][k] for r in ranks) for k in range(skip, steps)]
+    return statistics.median(values) if values else None
 
 
 def _plain(value: Any) -> Any:

@@ -280,6 +280,20 @@ def _run(strategy: str, world: int, model=None, steps: int = 3, **layout):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prefix", STRATEGY_PREFIXES)
+def test_world4_rows_account_the_cpu(world4_rows, prefix):
+    """Each row carries the ranks' CPU per step and the machine's busy CPU: positive, the ranks'
+    CPU within what the machine's cores can give in the step, and counted in the machine's."""
+    import os
+
+    row = _row(world4_rows, prefix)
+    cpu, busy, wall = row["measured_cpu_s_per_step"], row["measured_machine_busy_s_per_step"], row["measured_step_time_s"]
+    assert cpu > 0 and busy > 0
+    assert cpu <= (os.cpu_count() or 1) * wall * 1.2 + 0.05  # /proc tick and timer slack
+    assert busy >= 0.5 * cpu
+
+
+@pytest.mark.slow
 def test_moe_under_zero3_matches_the_reference():
     pytest.importorskip("torch")
     from hzpsim.model import Model, MoE

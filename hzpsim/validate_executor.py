@@ -61,7 +61,9 @@ STRATEGY_FILTERS = {"zero3": ("zero", {"stage": 3}), "zero2": ("zero", {"stage":
 _PROFILE_CLUSTER_KEYS = ("intra_node_bytes_per_s", "inter_node_bytes_per_s_per_device", "intra_node_latency_s",
                          "inter_node_latency_s", "intra_node_efficiency", "inter_node_efficiency")
 _PROFILE_DEVICE_KEYS = ("peak_fp32_flops_per_s", "peak_bf16_flops_per_s", "peak_fp16_flops_per_s",
-                        "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s")
+                        "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s",
+                        "fsdp2_call_host_s", "dtensor_op_host_s", "collective_hop_delay_s",
+                        "asynchzp_op_host_s")
 
 
 def load_profile(path: str | None) -> dict[str, Any]:
@@ -141,6 +143,10 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
     scenario = scenario_from_mapping(data, source=str(raw.get("name", "<executor>")))
     device = profile.get("device", {})
     changes: dict[str, Any] = {k: float(device[k]) for k in _PROFILE_DEVICE_KEYS if k in device}
+    if device.get("collective_costs"):
+        from hzpsim.cluster.devices import collective_cost_table
+
+        changes["collective_costs"] = collective_cost_table(device["collective_costs"])
     gemm = profile.get("measurements", {}).get("gemm")
     if gemm:
         # the GEMMs this model runs are small: their rate, read off the measured sweep

@@ -7,7 +7,8 @@ Launched by :func:`hzpsim.executor.runner.run` (local spawn) or by ``torchrun`` 
 
 Per rank it records: the loss of every step, every step's wall time and CPU time (this
 process, each of its threads, and the whole machine's busy CPU: on a shared CPU box these say
-how many cores the step had and who else used them), the collective calls of
+how many cores the step had and who else used them; with ``RunSpec.measure_sharing`` the
+calibration's sharing factor right before and after the steps), the collective calls of
 the counted step (see :mod:`hzpsim.executor.counting`), model-state bytes and peak memory
 (CUDA: the caching allocator's ``max_memory_allocated``; CPU: bytes live at the start of one
 extra step plus the peak of PyTorch's profiler "Total Allocated" during it).
@@ -105,6 +106,11 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
         dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", rank=rank, world_size=world,
                                 device_id=device if spec.device == "cuda" else None)
     trainer = make_trainer(spec, device)
+    sharing: list[float] = []
+    if spec.measure_sharing and dist.is_initialized():
+        from hzpsim.executor.calibrate import sharing_factor
+
+        sharing.append(sharing_factor())
     losses: list[float] = []
     times: list[float] = []
     cpu_times: list[float] = []
@@ -128,6 +134,10 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
     if finish is not None:
         finish()
     marks.append(time.time_ns())
+    if sharing:
+        from hzpsim.executor.calibrate import sharing_factor
+
+        sharing.append(sharing_factor())
     states = dict(trainer.states)
     buffers = trainer.buffer_bytes()
     records = counting.collected() if spec.strategy != "reference" else []
@@ -156,6 +166,7 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
         "rank": rank, "world_size": world, "strategy": spec.strategy, "losses": losses, "step_times_s": times,
         "step_time_s": statistics.median(times[spec.warmup_steps:]),
         "cpu_times_s": cpu_times, "thread_cpu_s": thread_cpu, "machine_busy_cpu_s": machine_busy,
+        "sharing_factors": sharing,
         "counted_step": counted_step, "collectives": window, "counts_per_step": per_step,
         "model_state_bytes": states, "buffer_bytes": buffers,
         "peak_memory_bytes": peak, "peak_memory_method": method,

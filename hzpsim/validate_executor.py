@@ -61,7 +61,9 @@ STRATEGY_FILTERS = {"zero3": ("zero", {"stage": 3}), "zero2": ("zero", {"stage":
 _PROFILE_CLUSTER_KEYS = ("intra_node_bytes_per_s", "inter_node_bytes_per_s_per_device", "intra_node_latency_s",
                          "inter_node_latency_s", "intra_node_efficiency", "inter_node_efficiency")
 _PROFILE_DEVICE_KEYS = ("peak_fp32_flops_per_s", "peak_bf16_flops_per_s", "peak_fp16_flops_per_s",
-                        "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s")
+                        "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s",
+                        "fsdp2_call_host_s", "dtensor_op_host_s", "collective_hop_delay_s",
+                        "asynchzp_op_host_s")
 
 
 def load_profile(path: str | None) -> dict[str, Any]:
@@ -141,6 +143,10 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
     scenario = scenario_from_mapping(data, source=str(raw.get("name", "<executor>")))
     device = profile.get("device", {})
     changes: dict[str, Any] = {k: float(device[k]) for k in _PROFILE_DEVICE_KEYS if k in device}
+    if device.get("collective_costs"):
+        from hzpsim.cluster.devices import collective_cost_table
+
+        changes["collective_costs"] = collective_cost_table(device["collective_costs"])
     gemm = profile.get("measurements", {}).get("gemm")
     if gemm:
         # the GEMMs this model runs are small: their rate, read off the measured sweep
@@ -256,21 +262,61 @@ def predicted_report(scenario: Scenario, choice: StrategyChoice) -> dict[str, An
 
 
 def compare(scenario: Scenario, world: int, *, num_steps: int = 6, comm_delay_s: float = 0.0,
-            threads_per_rank: int = 1, timeout_s: float = 900.0, measure_memory: bool = True) -> list[dict[str, Any]]:
-    """Run every strategy of ``scenario`` on the executor and the simulator; one row each."""
+            threads_per_rank: int = 1, timeout_s: float = 900.0, measure_memory: bool = True,
+            calibration_sharing: float | None = None) -> list[dict[str, Any]]:
+    """Run every strategy of ``scenario`` on the executor and the simulator; one row each.
+
+    ``calibration_sharing``: the profile's sharing factor (``measurements.sharing_factor``).
+    With it the executor measures the same factor right before and after each strategy's steps
+    and the step is also predicted at that load (:func:`at_load`): on a machine shared with
+    other jobs the cores a rank gets change between the calibration and the run."""
     from hzpsim.executor.runner import max_loss_diff, reference_losses, run_many
     from hzpsim.executor.spec import run_specs
 
     specs = run_specs(scenario, world, num_steps=num_steps, comm_delay_s=comm_delay_s,
-                      threads_per_rank=threads_per_rank, measure_memory=measure_memory)
+                      threads_per_rank=threads_per_rank, measure_memory=measure_memory,
+                      measure_sharing=calibration_sharing is not None)
     rows = []
     results = run_many(specs, timeout_s=timeout_s)
+    calibrated = scenario.topology.device
     for spec, choice, measured in zip(specs, scenario.strategies, results):
         reference = reference_losses(spec)
         predicted = predicted_collectives(scenario, choice)
         report = predicted_report(scenario, choice)
-        rows.append(_row(scenario, choice, spec, measured, predicted, report, max_loss_diff(measured, reference)))
+        row_report = dict(report)
+        run_sharing = getattr(measured, "sharing_factor", None)
+        if calibration_sharing and run_sharing:
+            scenario.topology.device = at_load(calibrated, run_sharing / calibration_sharing)
+            try:
+                row_report["step_time_s"] = predicted_report(scenario, choice)["step_time_s"]
+            finally:
+                scenario.topology.device = calibrated
+        row = _row(scenario, choice, spec, measured, predicted, row_report, max_loss_diff(measured, reference))
+        row.update(predicted_step_time_at_calibration_load_s=report["step_time_s"],
+                   sharing_factor_calibration=calibration_sharing, sharing_factor_run=run_sharing)
+        rows.append(row)
     return rows
+
+
+def at_load(device, factor: float):
+    """``device`` when every CPU cost takes ``factor`` times as long: the ranks get 1/factor of
+    the cores they had when it was calibrated (the ratio of the two sharing factors). On a CPU
+    all of it is CPU work: kernels, host dispatch, the frameworks' Python, and gloo's copies,
+    TCP loopback and wake-ups."""
+    def times(value):
+        return value * factor if value is not None else None
+
+    def rate(value):
+        return value / factor if value is not None else None
+
+    return dataclasses.replace(
+        device, peak_fp32_flops_per_s=rate(device.peak_fp32_flops_per_s),
+        peak_bf16_flops_per_s=rate(device.peak_bf16_flops_per_s), peak_fp16_flops_per_s=rate(device.peak_fp16_flops_per_s),
+        memory_bytes_per_s=rate(device.memory_bytes_per_s), kernel_launch_s=times(device.kernel_launch_s),
+        collective_call_s=times(device.collective_call_s), fsdp2_call_host_s=times(device.fsdp2_call_host_s),
+        dtensor_op_host_s=times(device.dtensor_op_host_s), asynchzp_op_host_s=times(device.asynchzp_op_host_s),
+        collective_hop_delay_s=times(device.collective_hop_delay_s),
+        collective_costs=tuple((k, g, lat * factor, per_byte * factor) for k, g, lat, per_byte in device.collective_costs))
 
 
 def _row(scenario: Scenario, choice: StrategyChoice, spec, measured, predicted: dict[str, Any],
@@ -309,11 +355,28 @@ def _row(scenario: Scenario, choice: StrategyChoice, spec, measured, predicted: 
         "measured_model_state_breakdown_bytes": measured.model_state_breakdown_bytes,
         "measured_other_collective_counts": measured.other_collective_counts,
         "counting_complete": measured.counting_complete,
+        # CPU accounting of the measured steps (medians after warm-up): every rank's process CPU
+        # summed, and the whole machine's busy CPU (the other ranks' and anything else running)
+        "measured_cpu_s_per_step": _median_after_warmup(measured, "cpu_times_s", sum),
+        "measured_machine_busy_s_per_step": _median_after_warmup(measured, "machine_busy_cpu_s", max),
         "peak_memory_method": measured.peak_memory_method,
         "losses": measured.losses,
     }
     row["differences"] = differences(row)
     return row
+
+
+def _median_after_warmup(measured, key: str, combine) -> float | None:
+    """Median over the measured steps of ``combine`` over ranks of each rank's per-step ``key``."""
+    import statistics
+
+    ranks = [r for r in getattr(measured, "ranks", []) if key in r]
+    if not ranks:
+        return None
+    skip = measured.spec.warmup_steps
+    steps = min(len(r[key]) for r in ranks)
+    values = [combine(r[key][k] for r in ranks) for k in range(skip, steps)]
+    return statistics.median(values) if values else None
 
 
 def _plain(value: Any) -> Any:
@@ -335,20 +398,26 @@ def differences(row: dict[str, Any]) -> list[str]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    header = (f"{'strategy':<40} {'step s meas':>11} {'pred':>8} {'err':>6} {'counts':>7} {'bytes':>6} "
-              f"{'states':>7} {'peak MiB meas':>13} {'pred':>7} {'loss diff':>9}")
+    header = (f"{'strategy':<40} {'step s meas':>11} {'pred':>8} {'err':>6} {'pred@cal':>8} {'S cal/run':>9} "
+              f"{'counts':>7} {'bytes':>6} {'states':>7} {'peak MiB meas':>13} {'pred':>7} {'loss diff':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
         err = r["predicted_step_time_s"] / r["measured_step_time_s"] - 1 if r["measured_step_time_s"] else math.nan
         same = lambda key, r=r: "equal" if r[f"measured_{key}"] == r[f"predicted_{key}"] else "DIFF"  # noqa: E731
         lines.append(
             f"{r['label'][:40]:<40} {r['measured_step_time_s']:>11.4f} {r['predicted_step_time_s']:>8.4f} {err:>+6.0%} "
-            f"{same('collective_counts'):>7} {same('comm_bytes'):>6} {same('model_state_bytes'):>7} "
+            f"{r.get('predicted_step_time_at_calibration_load_s', r['predicted_step_time_s']):>8.4f} "
+            f"{_sharing(r):>9} {same('collective_counts'):>7} {same('comm_bytes'):>6} {same('model_state_bytes'):>7} "
             f"{r['measured_peak_memory_bytes'] / 2**20:>13.1f} {r['predicted_peak_memory_bytes'] / 2**20:>7.1f} "
             f"{r['loss_max_abs_diff_vs_reference']:>9.1e}")
         for d in r["differences"]:
             lines.append(f"    {d}")
     return "\n".join(lines)
+
+
+def _sharing(row: dict[str, Any]) -> str:
+    cal, run = row.get("sharing_factor_calibration"), row.get("sharing_factor_run")
+    return f"{cal:.2f}/{run:.2f}" if cal and run else "-"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -384,7 +453,9 @@ def run_from_args(args: argparse.Namespace) -> int:
             raise ScenarioError(f"{args.scenario}: a scenario must be a mapping")
     profile = load_profile(args.profile)
     scenario = scenario_for_world(raw, args.world, profile, args.comm_delay, filters)
-    rows = compare(scenario, args.world, num_steps=args.steps, comm_delay_s=args.comm_delay)
+    sharing = profile.get("measurements", {}).get("sharing_factor")
+    rows = compare(scenario, args.world, num_steps=args.steps, comm_delay_s=args.comm_delay,
+                   calibration_sharing=float(sharing) if sharing else None)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
     else:

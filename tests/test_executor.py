@@ -280,6 +280,38 @@ def _run(strategy: str, world: int, model=None, steps: int = 3, **layout):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prefix", STRATEGY_PREFIXES)
+def test_world4_rows_account_the_cpu(world4_rows, prefix):
+    """Each row carries the ranks' CPU per step and the machine's busy CPU: positive, the ranks'
+    CPU within what the machine's cores can give in the step, and counted in the machine's."""
+    import os
+
+    row = _row(world4_rows, prefix)
+    cpu, busy, wall = row["measured_cpu_s_per_step"], row["measured_machine_busy_s_per_step"], row["measured_step_time_s"]
+    assert cpu > 0 and busy > 0
+    assert cpu <= (os.cpu_count() or 1) * wall * 1.2 + 0.05  # /proc tick and timer slack
+    assert busy >= 0.5 * cpu
+
+
+@pytest.mark.slow
+def test_validation_predicts_at_the_load_the_run_measured():
+    """With the calibration's sharing factor, the ranks measure it again around their steps and
+    the step is predicted at the run's load: every CPU cost x run / calibration factor."""
+    pytest.importorskip("torch")
+    from hzpsim.validate_executor import compare, scenario_for_world
+
+    raw = copy.deepcopy(TINY)
+    raw["training"]["global_batch_size"] = 4
+    raw["strategies"] = [{"name": "asynchzp", "param_group_size": 2}]
+    scenario = scenario_for_world(raw, 2, {})
+    # a calibration at half the CPU time per wall second any run can have: the run's load is >= 1.8x
+    [row] = compare(scenario, 2, num_steps=3, timeout_s=300, measure_memory=False, calibration_sharing=0.5)
+    assert row["sharing_factor_calibration"] == 0.5 and row["sharing_factor_run"] >= 0.9  # wall >= CPU, up to slack
+    factor = row["sharing_factor_run"] / 0.5
+    assert row["predicted_step_time_s"] == pytest.approx(factor * row["predicted_step_time_at_calibration_load_s"], rel=0.1)
+
+
+@pytest.mark.slow
 def test_moe_under_zero3_matches_the_reference():
     pytest.importorskip("torch")
     from hzpsim.model import Model, MoE
@@ -369,6 +401,14 @@ def test_calibrate_machine_writes_a_profile_the_simulator_reads(tmp_path, monkey
     assert scenario.topology.device.peak_fp32_flops_per_s == pytest.approx(device["peak_fp32_flops_per_s"])
     assert get_device("cpu-local").peak_fp32_flops_per_s != pytest.approx(device["peak_fp32_flops_per_s"])
     assert scenario.topology.link("island").latency_s == pytest.approx(preset["intra_node_latency_s"])
+    # the step-time mechanisms it measured (tests/test_executor_steptime.py): FSDP2's and DTensor's
+    # host cost, gloo's cost per kind and group size, the in-step wait per message
+    assert device["fsdp2_call_host_s"] > 0 and device["dtensor_op_host_s"] > 0
+    assert {row[0] for row in device["collective_costs"]} == {"all_gather", "reduce_scatter", "all_reduce",
+                                                             "all_to_all", "send_recv"}
+    assert device["collective_hop_delay_s"] >= 0
+    assert scenario.topology.device.collective_costs == tuple(tuple(r) for r in device["collective_costs"])
+    assert scenario.topology.device.dtensor_op_host_s == pytest.approx(device["dtensor_op_host_s"])
     assert main(["run", str(ROOT / "examples" / "executor-world4.yaml"), "--set", "strategy.name=zero"]) == 0
 
 

@@ -21,6 +21,7 @@ Conventions (apply to every entry):
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
@@ -65,6 +66,19 @@ class Device:
     # collectives run on the cores that compute (gloo on a CPU: its copies and TCP loopback): a rank's
     # compute makes no progress while one of its collectives moves bytes (no free overlap)
     communication_uses_compute_cores: bool = False
+    # measured by `hzpsim calibrate machine` only (None / () = not measured: nothing changes):
+    # per collective kind and group size, (kind, group_size, latency_s, seconds_per_byte) of the
+    # backend's own algorithms, timed inside a step-like loop (sim/collectives.py uses them
+    # instead of NCCL's model); the host cost of FSDP2's Python per parameter gather / gradient
+    # reduce call and of DTensor's dispatch per ATen op (strategies/_implementations.py applies
+    # them to the fsdp2 and dtensor profiles)
+    collective_costs: tuple[tuple[str, int, float, float], ...] = ()
+    fsdp2_call_host_s: float | None = None
+    dtensor_op_host_s: float | None = None
+    asynchzp_op_host_s: float | None = None  # hzpsim's AsyncHZP executor's Python per op (its hooks and threads)
+    # what each hop of such a collective waits inside a step for its receiving thread to get a
+    # core back from ranks that compute (measured: in-step minus back-to-back, per hop)
+    collective_hop_delay_s: float | None = None
 
     @property
     def memory_label_gb(self) -> float:
@@ -260,7 +274,7 @@ DEVICES: dict[str, Device] = {
 }
 
 
-def get_device(name: str, overrides: tuple[tuple[str, float], ...] = ()) -> Device:
+def get_device(name: str, overrides: tuple[tuple[str, Any], ...] = ()) -> Device:
     """Catalog lookup (pure: no files), with measured ``overrides`` (field, value) applied;
     ValueError naming the known devices if ``name`` is unknown."""
     try:
@@ -273,10 +287,22 @@ def get_device(name: str, overrides: tuple[tuple[str, float], ...] = ()) -> Devi
 
 
 CALIBRATED_FIELDS = ("peak_bf16_flops_per_s", "peak_fp16_flops_per_s", "peak_fp32_flops_per_s",
-                     "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s")
+                     "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s",
+                     "fsdp2_call_host_s", "dtensor_op_host_s", "collective_hop_delay_s",
+                     "asynchzp_op_host_s")
 
 
-def calibration_overrides(name: str) -> tuple[tuple[str, float], ...]:
+def collective_cost_table(rows) -> tuple[tuple[str, int, float, float], ...]:
+    """``collective_costs`` of a calibration profile ([[kind, group size, latency s, s per
+    byte], ...]) as the Device field; ValueError on a malformed row."""
+    table = []
+    for row in rows or ():
+        kind, group, latency, per_byte = row
+        table.append((str(kind), int(group), float(latency), float(per_byte)))
+    return tuple(table)
+
+
+def calibration_overrides(name: str) -> tuple[tuple[str, Any], ...]:
     """Measured rates of device ``name`` that ``hzpsim calibrate machine`` (without ``--out``)
     wrote to ``<user config>/devices/<name>.yaml``, as (field, value) pairs; () if none. Read
     once, at scenario load (``ClusterSpec.resolved``), never by a Topology."""
@@ -290,5 +316,8 @@ def calibration_overrides(name: str) -> tuple[tuple[str, float], ...]:
     if not path.is_file():
         return ()
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    return tuple((k, float(v)) for k, v in sorted(data.items())
-                 if k in CALIBRATED_FIELDS and isinstance(v, int | float) and v > 0)
+    values: list[tuple[str, Any]] = [(k, float(v)) for k, v in sorted(data.items())
+                                     if k in CALIBRATED_FIELDS and isinstance(v, int | float) and v > 0]
+    if data.get("collective_costs"):
+        values.append(("collective_costs", collective_cost_table(data["collective_costs"])))
+    return tuple(values)

@@ -1,23 +1,34 @@
 """``hzpsim calibrate machine``: measure this machine into a device + fabric profile.
 
 All ``--world`` processes run every benchmark at the same time (as training would), so the
-numbers are what one rank gets while the others work too:
+numbers are what one rank gets while the others work too; compute benchmarks run for a fixed
+window of wall time on every rank at once (:func:`_window`), so no rank runs alone:
 
 - compute: fp32 GEMM rate for a sweep of shapes (FLOP/s), memory-bound kernels (an add of two
   vectors, bytes read + written per second) for a sweep of sizes, the cost of one tiny kernel
   (launch / dispatch overhead, seconds) and the host cost per ATen op of an eager training step
   (a tiny decoder's forward + backward over the ops it dispatches: the device's kernel_launch_s);
+  the *sharing factor*, wall / CPU time of that step while every rank runs it (how much
+  longer a rank's CPU work takes because the processes share the cores);
+- the frameworks' host cost (:func:`_framework_host`): FSDP2's Python per parameter gather /
+  gradient reduce call and DTensor's per dispatched op, main-thread CPU of a probe on pairs of
+  ranks times the sharing factor;
 - the backend's collectives (gloo on CPU, NCCL on CUDA): all-gather, reduce-scatter, all-reduce,
   all-to-all and send/recv for a sweep of sizes (NCCL-tests convention: the full buffer) and
-  group sizes (2 and --world), plus the host cost of one call (the smallest all-reduce).
+  group sizes (2 and --world), back to back and inside a step-like loop (a burst of compute
+  before each call), plus the host cost of issuing one call.
 
 The profile (YAML) holds ``device`` (the simulator's ``cpu-local`` device fields: the median
-GEMM rate of the sweep and the median memory-bound rate), ``cluster`` (the fabric fields of the
-``local-cpu`` preset: per-step latency and bandwidth; the CLI fits them to the simulator's own
-collective model, ``hzpsim.validate_executor.fit_fabric_to_simulator``; :func:`fit_fabric` is the
-textbook ring fit, kept under ``measurements.ring_formula_fit``) and the raw ``measurements``. Without ``--out`` it is
-written to the user config folder (``$HZPSIM_CONFIG_DIR`` or ``~/.config/hzpsim``) as
-``topologies/local-cpu.yaml`` + ``devices/cpu-local.yaml``, which ``local-cpu`` then uses. Run::
+GEMM rate of the sweep, the median memory-bound rate, the host costs, ``collective_costs``:
+latency and seconds per byte per kind and group size fitted to the back-to-back sweep, and
+``collective_hop_delay_s``: what each message of a collective waits for a core inside a step),
+``cluster`` (the fabric fields of the ``local-cpu`` preset: per-step latency and bandwidth; the
+CLI fits them to the simulator's own collective model,
+``hzpsim.validate_executor.fit_fabric_to_simulator``; :func:`fit_fabric` is the textbook ring
+fit, kept under ``measurements.ring_formula_fit``) and the raw ``measurements``. Without
+``--out`` it is written to the user config folder (``$HZPSIM_CONFIG_DIR`` or
+``~/.config/hzpsim``) as ``topologies/local-cpu.yaml`` + ``devices/cpu-local.yaml``, which
+``local-cpu`` then uses. Run::
 
     hzpsim calibrate machine --world 4 --out profile-world4.yaml
 """
@@ -68,6 +79,50 @@ def _timed(fn, min_time_s: float, min_reps: int = 3, reps: int | None = None) ->
     return (time.perf_counter() - start) / count
 
 
+def _window(fn, window_s: float) -> tuple[float, float]:
+    """(mean wall seconds, mean CPU seconds of the calling thread) per call of ``fn`` called
+    back to back over one window of wall time that every rank runs at the same moment (a start
+    time broadcast from rank 0 on the machine's shared clock, after two warm-up calls), so all
+    ``--world`` processes compete for the cores for the whole measurement, as in a training
+    step. With a fixed number of calls after a barrier the fast ranks finish early and the
+    slow ones run the rest alone (here that measured eager ops up to 2x cheaper than a step
+    pays, and a wall / CPU sharing factor below the 2 that 4 processes on 2 idle cores get)."""
+    import torch.distributed as dist
+
+    fn()
+    fn()
+    start = [time.time() + 0.05]
+    dist.broadcast_object_list(start, src=0)
+    begin, end = start[0], start[0] + window_s
+    delay = begin - time.time()
+    if delay > 0:
+        time.sleep(delay)
+    count = 0
+    cpu = time.thread_time()
+    wall = time.perf_counter()
+    while count < 3 or time.time() < end:
+        fn()
+        count += 1
+    wall = time.perf_counter() - wall
+    return wall / count, (time.thread_time() - cpu) / count
+
+
+#: Wall time of one sharing-factor measurement (the eager probe on every rank at once), s.
+SHARING_WINDOW_S = 0.45
+
+
+def sharing_factor(window_s: float = SHARING_WINDOW_S) -> float:
+    """Wall / CPU time of the eager probe (:data:`EAGER_PROBE_MODEL`, forward + backward) run
+    back to back by every rank of the default process group over the same window: how much
+    longer a rank's CPU work takes than its CPU time because the processes share the cores
+    (4 ranks on 2 idle cores: 2; more while other jobs run). ``calibrate machine`` records it
+    with its rates; the executor measures it again right before and after a strategy's steps
+    (``RunSpec.measure_sharing``), so a validation can compare at the load it ran under."""
+    probe = _EagerProbe(EAGER_PROBE_MODEL)
+    wall, cpu = _window(probe.step, window_s)
+    return wall / cpu if cpu > 0 else 1.0
+
+
 def bench(out_dir: str, quick: bool) -> None:
     """One benchmarking rank (started by :func:`calibrate_machine` with torchrun's variables)."""
     import torch
@@ -81,7 +136,7 @@ def bench(out_dir: str, quick: bool) -> None:
     elements = MEMORY_ELEMENTS[1:3] if quick else MEMORY_ELEMENTS
     sizes = COLLECTIVE_BYTES[:2] if quick else COLLECTIVE_BYTES
     group_sizes = sorted({g for g in (2, world) if 2 <= g <= world})
-    total = len(shapes) + len(elements) + 3 + len(group_sizes) * (len(KINDS) * len(sizes) + 1)
+    total = len(shapes) + len(elements) + 4 + len(group_sizes) * (2 * len(KINDS) * len(sizes) + 1)
     done = [0]
 
     def progress(label: str) -> None:
@@ -93,27 +148,37 @@ def bench(out_dir: str, quick: bool) -> None:
     for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
         dist.barrier()
-        t = _timed(lambda a=a, b=b: torch.mm(a, b), min_time / 3 if len(shapes) > 20 else min_time)
+        t, _ = _window(lambda a=a, b=b: torch.mm(a, b), min_time / 3 if len(shapes) > 20 else min_time)
         out["gemm"].append({"m": m, "k": k, "n": n, "flops_per_s": 2.0 * m * k * n / t})
         progress(f"gemm {m}x{k}x{n}")
     for count in elements:
         x, y, z = torch.randn(count), torch.randn(count), torch.empty(count)
         dist.barrier()
-        t = _timed(lambda x=x, y=y, z=z: torch.add(x, y, out=z), min_time)
+        t, _ = _window(lambda x=x, y=y, z=z: torch.add(x, y, out=z), min_time)
         out["memory"].append({"elements": count, "bytes_per_s": 3 * 4 * count / t})
         progress(f"memory {count}")
     one = torch.ones(1)
     dist.barrier()
-    out["kernel_launch_s"] = _timed(lambda: torch.add(one, one), min_time, 50)
+    out["kernel_launch_s"], _ = _window(lambda: torch.add(one, one), min_time)
     progress("kernel launch")
     leaf = torch.ones(1, requires_grad=True)
     dist.barrier()
     # an op recorded by autograd (what a training forward dispatches)
-    out["autograd_op_s"] = _timed(lambda: torch.mul(leaf, leaf), min_time, 50)
+    out["autograd_op_s"], _ = _window(lambda: torch.mul(leaf, leaf), min_time)
     progress("autograd op")
     dist.barrier()
-    out["eager_op_s"], out["eager_ops_per_step"] = _eager_op_s(min_time)
+    probe = _EagerProbe(EAGER_PROBE_MODEL)
+    wall, cpu = _window(probe.step, SHARING_WINDOW_S if not quick else min_time)
+    out["eager_op_s"], out["eager_ops_per_step"] = wall / probe.ops, probe.ops
+    # how much longer a rank's CPU work takes in wall time while every rank works: the
+    # processes share the cores (4 on 2 here, plus whatever else runs on the machine)
+    out["sharing_factor"] = wall / cpu if cpu > 0 else 1.0
     progress("eager op")
+    from hzpsim.executor import counting
+
+    counting.install()  # what the executor runs with: counts the probes' calls (and pays its own cost, as there)
+    out["framework"] = _framework_host(world, rank, out["sharing_factor"], 10 if quick else 30)
+    progress("framework host")
 
     for g in group_sizes:
         groups = [dist.new_group(list(range(b, b + g))) for b in range(0, world - world % g, g)]
@@ -128,6 +193,14 @@ def bench(out_dir: str, quick: bool) -> None:
                     t = _time_collective(kind, elements_full, g, rank % g, mine, min_time)
                 out["collectives"].append({"kind": kind, "group_size": g, "size_bytes": elements_full * 4, "time_s": t})
                 progress(f"{kind} {g} ranks {size} B")
+                dist.barrier()
+                marks: list[tuple[int, int]] = []
+                if mine is not None:
+                    marks = _time_collective_in_step(kind, elements_full, g, rank % g, mine, probe.step,
+                                                     2 if quick else (8 if size <= (1 << 20) else 3))
+                out.setdefault("in_step_marks", []).append({"kind": kind, "group_size": g,
+                                                            "size_bytes": elements_full * 4, "marks": marks})
+                progress(f"{kind} {g} ranks {size} B, in step")
         dist.barrier()
         out.setdefault("call_issue_s", {})[g] = _issue_time(mine, 20 if min_time < 0.1 else 100) if mine is not None else -1.0
         progress(f"call issue {g} ranks")
@@ -148,32 +221,328 @@ def bench(out_dir: str, quick: bool) -> None:
 EAGER_PROBE_MODEL = "num_layers=2 hidden_size=8 num_heads=2 num_kv_heads=1 ffn_hidden_size=16 vocab_size=16 seq_len=4"
 
 
-def _eager_op_s(min_time: float) -> tuple[float, int]:
-    """Host seconds per ATen op of an eager training step: the mean time of a forward, loss
-    and backward of :data:`EAGER_PROBE_MODEL` divided by the ops it dispatches (counted with
-    :func:`hzpsim.executor.model.dispatched_ops`, views and ``detach`` included). This is
-    the unit the simulator charges (``Model.layer_kernels_forward`` counts the same ops), and
-    it includes what a single-op benchmark misses: nn.Module calls, the autograd engine's
-    per-node work, gradient accumulation."""
-    import torch.nn.functional as F
+#: The probe of the frameworks' host cost: the same layer at sizes tensor parallelism over 2
+#: ranks can split (heads, KV heads, sequence for sequence parallelism).
+FRAMEWORK_PROBE_MODEL = "num_layers=2 hidden_size=16 num_heads=4 num_kv_heads=2 ffn_hidden_size=32 vocab_size=16 seq_len=4"
 
-    from hzpsim.executor.model import batch, build, dispatched_ops
+
+def _probe_spec(text: str):
     from hzpsim.model import Model
 
-    sizes = {k: int(v) for k, v in (item.split("=") for item in EAGER_PROBE_MODEL.split())}
-    spec = Model(sizes["num_layers"], sizes["hidden_size"], sizes["num_heads"], sizes["ffn_hidden_size"],
+    sizes = {k: int(v) for k, v in (item.split("=") for item in text.split())}
+    return Model(sizes["num_layers"], sizes["hidden_size"], sizes["num_heads"], sizes["ffn_hidden_size"],
                  sizes["vocab_size"], sizes["seq_len"], num_kv_heads=sizes["num_kv_heads"], dropout=False,
-                 name="eager-op-probe")
-    net = build(spec, 0)
-    tokens, targets = batch(spec, 0, 1, 0)
-    counted = dispatched_ops(net, tokens, targets)
-    ops = sum(counted["forward"].values()) + sum(counted["backward"].values())
+                 name="host-probe")
 
-    def step() -> None:
-        loss = F.cross_entropy(net(tokens).flatten(0, 1), targets.flatten())
+
+class _EagerProbe:
+    """A tiny decoder's eager training step (forward, loss, backward; ``optimizer``: Adam's step
+    and zero_grad too) and the ATen ops its forward and backward dispatch (counted with
+    :func:`hzpsim.executor.model.dispatched_ops`, views and ``detach`` included): the unit the
+    simulator charges host time in (``Model.layer_kernels_forward`` counts the same ops). Its
+    time per op includes what a single-op benchmark misses: nn.Module calls, the autograd
+    engine's per-node work, gradient accumulation. ``wrap(net)`` applies a framework
+    (FSDP2, DTensor TP) to the built model."""
+
+    def __init__(self, text: str, wrap=None, optimizer: bool = False) -> None:
+        import torch
+
+        from hzpsim.executor.model import batch, build, dispatched_ops
+
+        spec = _probe_spec(text)
+        self.tokens, self.targets = batch(spec, 0, 1, 0)
+        counted = dispatched_ops(build(spec, 0), self.tokens, self.targets)
+        self.ops = sum(counted["forward"].values()) + sum(counted["backward"].values())
+        self.net = build(spec, 0)
+        if wrap is not None:
+            wrap(self.net)
+        self.opt = torch.optim.Adam(self.net.parameters(), lr=1e-6, foreach=True) if optimizer else None
+
+    def step(self) -> None:
+        import torch.nn.functional as F
+
+        logits = self.net(self.tokens)
+        logits = logits.to_local() if hasattr(logits, "to_local") else logits
+        loss = F.cross_entropy(logits.flatten(0, 1), self.targets.flatten())
         loss.backward()
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
 
-    return _timed(step, min_time, 20) / ops, ops
+
+def _thread_cpu_per_call(fn, calls: int) -> float:
+    """Mean CPU seconds of the calling thread per call of ``fn`` (``calls`` calls after two
+    warm-up calls: a fixed count, as the calls hold collectives every rank of a group must
+    match). Waiting for a collective costs the thread no CPU, so this is its host work."""
+    fn()
+    fn()
+    start = time.thread_time()
+    for _ in range(calls):
+        fn()
+    return (time.thread_time() - start) / calls
+
+
+def _framework_host(world: int, rank: int, sharing: float, calls: int) -> dict[str, float]:
+    """Host cost of FSDP2's and DTensor's Python, measured on pairs of ranks (all pairs at once).
+
+    - ``fsdp2_call_s``: FSDP2 ``fully_shard`` on every unit and the root of
+      :data:`FRAMEWORK_PROBE_MODEL` (as the executor's ZeRO-3) against the plain model, one
+      training step each (forward, backward, Adam): the extra CPU of the main thread per
+      parameter all-gather / gradient reduce-scatter it issues (the hooks
+      ``_fsdp_state.py::FSDPState._pre_forward`` / ``_post_forward``,
+      ``_fsdp_param_group.py::FSDPParamGroup.pre_backward`` / ``post_backward``, the copy-in of
+      ``_fsdp_collectives.py::foreach_all_gather``, the copy-out of
+      ``foreach_all_gather_copy_out``, ``foreach_reduce``'s chunk-cat and its sharded gradient,
+      DTensor's dispatch of Adam's foreach ops on the sharded parameters), less the c10d issue
+      itself (charged per call already). The simulator charges it per such call.
+    - ``dtensor_op_s``: the same layer tensor-parallel with the executor's plan
+      (``executor/nd.py::_tensor_parallel``: ``ColwiseParallel``, ``RowwiseParallel``,
+      ``SequenceParallel``, ``PrepareModuleInput``), forward and backward: main-thread CPU per
+      ATen op of the plain model (every op on a DTensor goes through
+      ``torch/distributed/tensor/_dispatch.py::OpDispatcher.dispatch``: sharding propagation,
+      redistribution and the local op; ``parallel/style.py`` adds the input/output hooks and
+      the layout conversions), less the issue of its collectives. The simulator charges it
+      per dispatched op of a tensor-parallel implementation.
+
+    CPU seconds, times ``sharing`` (wall / CPU of the plain probe while every rank runs it:
+    what a rank's host work takes in wall time while all ranks work), are wall seconds.
+    Waiting for the pair's collectives costs no CPU, so the tiny messages' latency is left out."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from hzpsim.executor import counting
+
+    pairs = [dist.new_group([b, b + 1]) for b in range(0, world - 1, 2)]
+    result = {"fsdp2_call_s": -1.0, "dtensor_op_s": -1.0}
+    if rank >= 2 * len(pairs):
+        return result  # an odd last rank has no partner (the others' groups do not include it)
+    group = pairs[rank // 2]
+    mesh = DeviceMesh.from_group(group, "cpu")
+
+    def calls_per_step(probe: _EagerProbe) -> float:
+        probe.step()
+        before = len(counting.collected())
+        probe.step()
+        return float(len(counting.collected()) - before)
+
+    def shard(net) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in net.units():
+            fully_shard(unit, mesh=mesh)
+        fully_shard(net, mesh=mesh)
+
+    def tensor_parallel(net) -> None:
+        from hzpsim.executor.nd import _tensor_parallel
+
+        _tensor_parallel(net.units(), mesh)
+
+    asynchzp = _asynchzp_host(world, calls)  # every rank, before the pair-only probes
+    issue = _issue_time(group, 20)
+    torch.manual_seed(0)
+    plain_opt = _EagerProbe(FRAMEWORK_PROBE_MODEL, optimizer=True)
+    plain = _EagerProbe(FRAMEWORK_PROBE_MODEL)
+    fsdp = _EagerProbe(FRAMEWORK_PROBE_MODEL, wrap=shard, optimizer=True)
+    tp = _EagerProbe(FRAMEWORK_PROBE_MODEL, wrap=tensor_parallel)
+    fsdp_calls, tp_calls = calls_per_step(fsdp), calls_per_step(tp)
+    cpu = {"plain_opt": _thread_cpu_per_call(plain_opt.step, calls), "plain": _thread_cpu_per_call(plain.step, calls),
+           "fsdp2": _thread_cpu_per_call(fsdp.step, calls), "tp": _thread_cpu_per_call(tp.step, calls)}
+    result.update({f"{k}_step_cpu_s": v for k, v in cpu.items()})
+    result.update(fsdp2_calls_per_step=fsdp_calls, tp_calls_per_step=tp_calls, ops_per_step=float(plain.ops),
+                  pair_issue_s=issue)
+    result["fsdp2_call_s"] = max((cpu["fsdp2"] - cpu["plain_opt"]) * sharing / max(fsdp_calls, 1.0) - issue, 0.0)
+    result["dtensor_op_s"] = max((cpu["tp"] * sharing - tp_calls * issue) / plain.ops, 0.0)
+    # AsyncHZP: its step's Python (main thread and the ag / rs / dp threads, which share the GIL
+    # and the core) without the optimizer's share, per dispatched op of the plain model
+    if asynchzp["python_cpu_s"] > 0:
+        result.update(asynchzp_step_python_cpu_s=asynchzp["python_cpu_s"], asynchzp_calls_per_step=asynchzp["calls"])
+        optimizer = max(cpu["plain_opt"] - cpu["plain"], 0.0)
+        result["asynchzp_op_s"] = max(((asynchzp["python_cpu_s"] - optimizer) * sharing
+                                       - asynchzp["calls"] * issue) / plain.ops, 0.0)
+    return result
+
+
+def _python_threads_cpu_s() -> float:
+    """CPU seconds so far of this process's threads except the backend's own (gloo's
+    ``gloo_tcp_loop`` and ``pt_gloo_runloop``, NCCL's ``pt_nccl*``): the Python threads, from
+    ``/proc/self/task/*/schedstat`` (nanoseconds); the calling thread's time without /proc."""
+    total = 0.0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as handle:
+                name = handle.read().strip()
+            if name.startswith(("gloo", "pt_")):
+                continue
+            with open(f"/proc/self/task/{tid}/schedstat", encoding="ascii") as handle:
+                total += int(handle.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return time.thread_time()
+    return total
+
+
+def _asynchzp_host(world: int, steps: int) -> dict[str, float]:
+    """Python CPU per step of hzpsim's AsyncHZP executor (``executor/asynchzp.py``: the
+    saved-tensor hooks that re-read gathered weights, the copies into its buffer ring, the
+    futures handed to its ag / rs / dp threads) on :data:`FRAMEWORK_PROBE_MODEL`, one
+    micro-batch per rank, groups 2 | 2 | ``world``; and its collective calls per step."""
+    import torch
+
+    from hzpsim.executor import counting
+    from hzpsim.executor.asynchzp import AsyncHZPTrainer
+    from hzpsim.executor.spec import Layout, RunSpec
+
+    if world < 2 or world % 2:
+        return {"python_cpu_s": -1.0, "calls": 0.0}
+    spec = RunSpec(model=_probe_spec(FRAMEWORK_PROBE_MODEL), strategy="asynchzp", world_size=world,
+                   global_batch_size=world, micro_batch_size=1, num_steps=steps + 3, warmup_steps=2,
+                   layout=Layout(param_group_size=2, grad_group_size=2, optim_group_size=world))
+    trainer = AsyncHZPTrainer(spec, torch.device("cpu"))
+    try:
+        trainer.step(0)
+        trainer.finish()
+        before = len(counting.collected())
+        trainer.step(1)
+        trainer.finish()
+        calls = float(len(counting.collected()) - before)
+        start = _python_threads_cpu_s()
+        for k in range(steps):
+            trainer.step(2 + k)
+        trainer.finish()
+        return {"python_cpu_s": (_python_threads_cpu_s() - start) / steps, "calls": calls}
+    finally:
+        trainer.close()
+
+
+def _time_collective_in_step(kind: str, elements: int, g: int, index: int, group, compute, reps: int) -> list[tuple[int, int]]:
+    """(issue, completion) times (``time.time_ns``: one clock for all processes) of ``reps``
+    calls of a collective with a burst of compute before each, as in a training step: one
+    forward and backward of the eager probe (``compute``), so every rank arrives at its own
+    time, gloo's copies share the cores with ranks that still (or already) compute, and the
+    others' compute is what the call's threads compete with. The collective's own duration is
+    read off all ranks' marks (:func:`in_step_times`: from the last arrival to the
+    completions), which is what the simulator times after its rendezvous."""
+    import torch
+    import torch.distributed as dist
+
+    full = torch.randn(elements)
+    part = torch.randn(elements // g)
+    other = torch.empty_like(full)
+    peer = dist.get_global_rank(group, 1 - index) if index < 2 else None
+
+    def call():
+        if kind == "all_gather":
+            dist.all_gather_into_tensor(full, part, group=group)
+        elif kind == "reduce_scatter":
+            dist.reduce_scatter_tensor(part, full, group=group)
+        elif kind == "all_reduce":
+            dist.all_reduce(full, group=group)
+        elif kind == "all_to_all":
+            dist.all_to_all_single(other, full, group=group)
+        elif index == 0:
+            dist.send(full, peer)
+        elif index == 1:
+            dist.recv(full, peer)
+
+    marks = []
+    for i in range(reps + 1):
+        compute()
+        start = time.time_ns()
+        call()
+        if i:  # the first call is a warm-up
+            marks.append((start, time.time_ns()))
+    return marks
+
+
+def in_step_times(rows: list[list[dict[str, Any]]], world: int) -> list[dict[str, Any]]:
+    """Per kind, group size and size: the mean own duration of the in-step calls (all ranks'
+    marks, :func:`_time_collective_in_step`): from the last member's issue to each member's
+    completion (every rank goes on when its own call returns), averaged over members, calls
+    and groups; ``last_completion_s`` to the last member's completion. Send/recv: the pair of
+    ranks 0 and 1 of each group."""
+    out = []
+    for i, row in enumerate(rows[0]):
+        g = row["group_size"]
+        durations, last = [], []
+        for base in range(0, world - world % g, g):
+            members = list(range(base, base + 2)) if row["kind"] == "send_recv" else list(range(base, base + g))
+            marks = [rows[r][i]["marks"] for r in members]
+            if not all(marks):
+                continue
+            for call in zip(*marks):
+                arrived = max(m[0] for m in call)
+                durations.append(statistics.mean(m[1] - arrived for m in call) / 1e9)
+                last.append((max(m[1] for m in call) - arrived) / 1e9)
+        if durations:
+            out.append({"kind": row["kind"], "group_size": g, "size_bytes": row["size_bytes"],
+                        "time_s": statistics.mean(durations), "last_completion_s": statistics.mean(last)})
+    return out
+
+
+def fit_kind(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """Latency (s) and seconds per byte of one kind and group size: t = latency + size x
+    per_byte, least squares relative to each point (small and large sizes count alike), both
+    >= 0."""
+    import numpy as np
+
+    a = np.array([[1.0 / r["time_s"], r["size_bytes"] / r["time_s"]] for r in rows])
+    b = np.ones(len(rows))
+    best = None
+    for columns in ((0, 1), (0,), (1,)):  # the unconstrained fit, else the best one-term fit
+        x, *_ = np.linalg.lstsq(a[:, columns], b, rcond=None)
+        if (x < 0).any():
+            continue
+        full = np.zeros(2)
+        full[list(columns)] = x
+        error = float(np.sum((a @ full - b) ** 2))
+        if best is None or error < best[0]:
+            best = (error, full)
+    assert best is not None
+    return float(best[1][0]), float(best[1][1])
+
+
+def _hops(kind: str, n: int) -> int:
+    """Messages a gloo collective's rank waits for in turn (as ``hzpsim.sim.collectives.gloo_hops``,
+    which this package may not import): ring all-gather n-1, ring all-reduce and the
+    reduce-scatter gloo runs as one 2(n-1), all-to-all n-1, send/recv 1."""
+    if kind == "send_recv":
+        return 1
+    return 2 * (n - 1) if kind in ("all_reduce", "reduce_scatter") else n - 1
+
+
+#: Sizes the hop delay is read from: above this the calls are bandwidth-bound and the
+#: difference between two noisy bandwidth measurements swamps a few ms of waiting.
+HOP_DELAY_MAX_BYTES = 1 << 20
+
+
+def hop_delay(sweep: list[dict[str, Any]], in_step: list[dict[str, Any]]) -> float:
+    """Seconds each message of a collective waits inside a step beyond the back-to-back sweep:
+    least squares of (in-step time - sweep time) = hops x delay over the kinds, group sizes and
+    sizes up to :data:`HOP_DELAY_MAX_BYTES`; >= 0. In the sweep every member sits in the call
+    and a woken thread finds an idle core; in a step the other ranks compute, so the thread a
+    message wakes waits for a core (the scheduler's slice)."""
+    back_to_back = {(r["kind"], r["group_size"], r["size_bytes"]): r["time_s"] for r in sweep if r["time_s"] > 0}
+    num, den = 0.0, 0.0
+    for r in in_step:
+        key = (r["kind"], r["group_size"], r["size_bytes"])
+        if key not in back_to_back or r["size_bytes"] > HOP_DELAY_MAX_BYTES:
+            continue
+        h = _hops(r["kind"], 2 if r["kind"] == "send_recv" else r["group_size"])
+        num += h * (r["time_s"] - back_to_back[key])
+        den += h * h
+    return max(num / den, 0.0) if den else 0.0
+
+
+def fit_collectives(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """[kind, group size, latency s, seconds per byte] for every measured kind and group size."""
+    fits = []
+    for kind in KINDS:
+        for g in sorted({r["group_size"] for r in rows if r["kind"] == kind}):
+            points = [r for r in rows if r["kind"] == kind and r["group_size"] == g and r["time_s"] > 0]
+            if len(points) >= 2:
+                latency, per_byte = fit_kind(points)
+                fits.append([kind, int(g), latency, per_byte])
+    return fits
 
 
 def _issue_time(group, reps: int) -> float:
@@ -285,11 +654,26 @@ def build_profile(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
     issue = {int(g): max(r["call_issue_s"][g] for r in per_rank) for g in per_rank[0]["call_issue_s"]}
     autograd_op = statistics.mean(r["autograd_op_s"] for r in per_rank)
     eager_op = statistics.mean(r["eager_op_s"] for r in per_rank)
+    in_step = in_step_times([r["in_step_marks"] for r in per_rank], world)
+    framework = [r["framework"] for r in per_rank if r["framework"]["fsdp2_call_s"] >= 0]
+    device: dict[str, Any] = {
+        "name": "cpu-local", "peak_fp32_flops_per_s": flops, "peak_bf16_flops_per_s": flops,
+        "peak_fp16_flops_per_s": flops, "memory_bytes_per_s": mem,
+        # host costs: one ATen op of an eager training step, one collective issued
+        "kernel_launch_s": eager_op, "collective_call_s": max(issue.values())}
+    if framework:
+        device["fsdp2_call_host_s"] = statistics.mean(f["fsdp2_call_s"] for f in framework)
+        device["dtensor_op_host_s"] = statistics.mean(f["dtensor_op_s"] for f in framework)
+        if all("asynchzp_op_s" in f for f in framework):
+            device["asynchzp_op_host_s"] = statistics.mean(f["asynchzp_op_s"] for f in framework)
+    # per kind and group size, from the back-to-back sweep: every member is in the call, as in
+    # the simulator's collective after its rendezvous (collectives_in_step, where the others
+    # compute around the call, is kept for comparison: see docs/executor.md)
+    device["collective_costs"] = fit_collectives(collectives)
+    if in_step:
+        device["collective_hop_delay_s"] = hop_delay(collectives, in_step)
     return {
-        "device": {"name": "cpu-local", "peak_fp32_flops_per_s": flops, "peak_bf16_flops_per_s": flops,
-                   "peak_fp16_flops_per_s": flops, "memory_bytes_per_s": mem,
-                   # host costs: one ATen op of an eager training step, one collective issued
-                   "kernel_launch_s": eager_op, "collective_call_s": max(issue.values())},
+        "device": device,
         "cluster": {"intra_node_bytes_per_s": bandwidth, "inter_node_bytes_per_s_per_device": bandwidth,
                     "intra_node_latency_s": latency, "inter_node_latency_s": latency,
                     "intra_node_efficiency": 1.0, "inter_node_efficiency": 1.0},
@@ -298,7 +682,9 @@ def build_profile(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
                          "host_cost_per_call_s": max(r["host_cost_per_call_s"] for r in per_rank),
                          "autograd_op_s": autograd_op, "eager_op_s": eager_op,
                          "eager_ops_per_probe_step": per_rank[0]["eager_ops_per_step"], "call_issue_s": issue,
-                         "collectives": collectives},
+                         "sharing_factor": statistics.mean(r["sharing_factor"] for r in per_rank),
+                         "framework_host": framework,
+                         "collectives": collectives, "collectives_in_step": in_step},
         "source": f"hzpsim calibrate machine --world {world} on {platform.node()} "
                   f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",

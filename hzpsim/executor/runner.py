@@ -44,6 +44,7 @@ class RunResult:
     buffer_bytes: int
     wall_s: float
     counting_complete: bool = True  # hooked calls == the backend flight recorder's entries, every rank
+    sharing_factor: float | None = None  # mean of the ranks' sharing factors before and after the steps
     ranks: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -75,6 +76,9 @@ def aggregate(spec: RunSpec, ranks: list[dict[str, Any]], wall_s: float) -> RunR
         peak_memory_bytes=max(r["peak_memory_bytes"] for r in ranks),
         peak_memory_method=ranks[0]["peak_memory_method"], buffer_bytes=max(r["buffer_bytes"] for r in ranks),
         wall_s=wall_s, counting_complete=complete, ranks=ranks,
+        sharing_factor=(sum(x for r in ranks for x in r.get("sharing_factors", []))
+                        / max(sum(len(r.get("sharing_factors", [])) for r in ranks), 1)
+                        if any(r.get("sharing_factors") for r in ranks) else None),
     )
 
 

@@ -53,6 +53,7 @@ class RunSpec:
     comm_delay_s: float = 0.0  # artificial host delay added to every collective call (seconds)
     threads_per_rank: int = 1  # torch intra-op threads per process
     measure_memory: bool = True  # run one extra step under the memory profiler (CPU) at the end
+    measure_sharing: bool = False  # time the calibration's sharing probe right before and after the steps
     label: str = ""  # the scenario's strategy, for reports
 
     @property

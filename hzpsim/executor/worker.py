@@ -5,7 +5,10 @@ Launched by :func:`hzpsim.executor.runner.run` (local spawn) or by ``torchrun`` 
     torchrun --nproc-per-node 4 -m hzpsim.executor.worker --spec run.json --out results/
     # (write run.json with: hzpsim execute SCENARIO --world 4 --write-spec run.json)
 
-Per rank it records: the loss of every step, every step's wall time, the collective calls of
+Per rank it records: the loss of every step, every step's wall time and CPU time (this
+process, each of its threads, and the whole machine's busy CPU: on a shared CPU box these say
+how many cores the step had and who else used them; with ``RunSpec.measure_sharing`` the
+calibration's sharing factor right before and after the steps), the collective calls of
 the counted step (see :mod:`hzpsim.executor.counting`), model-state bytes and peak memory
 (CUDA: the caching allocator's ``max_memory_allocated``; CPU: bytes live at the start of one
 extra step plus the peak of PyTorch's profiler "Total Allocated" during it).
@@ -47,6 +50,35 @@ def _cpu_peak_during(fn) -> int:
     return int(max(totals, default=0))
 
 
+def _machine_busy_s() -> float:
+    """CPU seconds all cores of the machine spent busy so far (/proc/stat: every state but
+    idle and iowait), -1 where there is no /proc/stat: with the step's wall time it says how
+    saturated the cores were (this process, the other ranks and anything else running)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as handle:
+            fields = [int(x) for x in handle.readline().split()[1:]]
+    except (OSError, ValueError):
+        return -1.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - fields[3] - fields[4]) / ticks
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds so far of each thread of this process (/proc/self/task/*/stat), by tid:name."""
+    out = {}
+    ticks = os.sysconf("SC_CLK_TCK")
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as handle:
+                text = handle.read()
+            name = text[text.index("(") + 1:text.rindex(")")]
+            fields = text[text.rindex(")") + 2:].split()
+            out[f"{tid}:{name}"] = (int(fields[11]) + int(fields[12])) / ticks
+    except (OSError, ValueError):
+        pass
+    return out
+
+
 def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, port: int | None = None,
              index: int = 0) -> None:
     """Train and measure on this rank, write ``rank<r>.json`` (``rank<r>-<index>.json`` for the
@@ -74,21 +106,38 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
         dist.init_process_group("nccl" if spec.device == "cuda" else "gloo", rank=rank, world_size=world,
                                 device_id=device if spec.device == "cuda" else None)
     trainer = make_trainer(spec, device)
+    sharing: list[float] = []
+    if spec.measure_sharing and dist.is_initialized():
+        from hzpsim.executor.calibrate import sharing_factor
+
+        sharing.append(sharing_factor())
     losses: list[float] = []
     times: list[float] = []
+    cpu_times: list[float] = []
+    machine_busy: list[float] = []
+    thread_cpu: list[dict[str, float]] = [_thread_cpu_s()]
     marks: list[int] = []
     for step in range(spec.num_steps):
         counting.set_step(step)
         marks.append(time.time_ns())
+        busy = _machine_busy_s()
+        cpu = time.process_time()
         start = time.perf_counter()
         losses.append(trainer.step(step))
         if spec.device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu)
+        machine_busy.append(_machine_busy_s() - busy)
+        thread_cpu.append(_thread_cpu_s())
     finish = getattr(trainer, "finish", None)
     if finish is not None:
         finish()
     marks.append(time.time_ns())
+    if sharing:
+        from hzpsim.executor.calibrate import sharing_factor
+
+        sharing.append(sharing_factor())
     states = dict(trainer.states)
     buffers = trainer.buffer_bytes()
     records = counting.collected() if spec.strategy != "reference" else []
@@ -116,6 +165,8 @@ def run_rank(rank: int, world: int, spec_data: dict[str, Any], out_dir: str, por
     result = {
         "rank": rank, "world_size": world, "strategy": spec.strategy, "losses": losses, "step_times_s": times,
         "step_time_s": statistics.median(times[spec.warmup_steps:]),
+        "cpu_times_s": cpu_times, "thread_cpu_s": thread_cpu, "machine_busy_cpu_s": machine_busy,
+        "sharing_factors": sharing,
         "counted_step": counted_step, "collectives": window, "counts_per_step": per_step,
         "model_state_bytes": states, "buffer_bytes": buffers,
         "peak_memory_bytes": peak, "peak_memory_method": method,

@@ -18,6 +18,22 @@ The rule, stated once (docs/design.md repeats it):
    node). Bytes on a level move at that level's achieved per-device bandwidth, derated by the
    protocol (LL 1/4, LL128 0.92, tree 0.92 x 0.85, as in NCCL's tuner); levels work in parallel
    and share links with every other transfer in flight (``network.py``).
+
+A device measured by ``hzpsim calibrate machine`` (``Device.collective_costs``: a CPU with
+gloo) replaces 1-3 with the backend's measured cost of each kind and group size: gloo's
+algorithms differ by kind (``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``: its
+``reduce_scatter_tensor`` is an all-reduce of the whole buffer followed by a copy of this
+rank's chunk, ``all_gather_into_tensor`` a ring of ``gloo::allgather``, ``all_reduce`` gloo's
+ring or bcube, ``all_to_all`` pairwise exchanges, send/recv one TCP message), and their copies
+and TCP loopback run on the same cores as every rank's compute, so one latency + bandwidth pair
+cannot fit them all. The back-to-back sweep sees every member inside the call; inside a step
+the others compute, and every hop (:func:`gloo_hops`) waits for its receiving thread to get a
+core back (``Device.collective_hop_delay_s``, measured by the same calibration: a woken
+thread runs once the running one used its slice, ``kernel/sched/fair.c``'s
+``sysctl_sched_base_slice``, 0.75 ms x (1 + log2 of the CPUs) by default, 1.5 ms on 2
+CPUs). The measured latency is paid first, then the bytes move at the level's
+bandwidth with the demand scaled to the measured seconds per byte (the transfer still shares
+the link with the rank's other transfers).
 """
 
 from __future__ import annotations
@@ -102,6 +118,21 @@ def _outermost(span: GroupSpan) -> str:
     return "island"
 
 
+def gloo_hops(kind: str, n: int) -> int:
+    """Messages a rank of a gloo collective over ``n`` ranks waits for one after the other: its
+    ring all-gather passes n-1 chunks (``gloo/allgather_ring.h``), its ring all-reduce reduces
+    and then gathers (2(n-1), ``gloo/allreduce.cc``), ProcessGroupGloo runs a reduce-scatter as
+    that all-reduce (the profiler shows ``gloo:all_reduce`` for FSDP2's reduce-scatters), an
+    all-to-all receives from each of the n-1 peers, a send/recv is one message. Each hop is a
+    wake-up of the receiving thread: inside a training step it waits for a core held by
+    ranks that compute (``Device.collective_hop_delay_s``)."""
+    if kind == "send_recv":
+        return 1
+    if n <= 1:
+        return 0
+    return 2 * (n - 1) if kind in ("all_reduce", "reduce_scatter") else n - 1
+
+
 class CollectiveModel:
     """Plans collectives on one topology; plans are cached by (kind, size, group shape)."""
 
@@ -169,7 +200,29 @@ class CollectiveModel:
         assert best is not None
         return best
 
+    def _measured(self, kind: str, group_size: int) -> tuple[float, float] | None:
+        """(latency s, seconds per byte) the device's calibration measured for ``kind`` at the
+        nearest measured group size (log distance), or None."""
+        rows = [r for r in self.topology.device.collective_costs if r[0] == kind]
+        if not rows:
+            return None
+        row = min(rows, key=lambda r: (abs(math.log(r[1] / max(group_size, 1))), -r[1]))
+        return row[2], row[3]
+
     def _plan_uncached(self, kind: str, size: float, span: GroupSpan, pair_level: str | None) -> CollectivePlan:
+        plan = self._nccl_plan(kind, size, span, pair_level)
+        measured = self._measured(kind, 2 if kind == "send_recv" else span.num_ranks)
+        if measured is None or not plan.bytes_by_level:
+            return plan
+        latency_s, per_byte_s = measured
+        latency_s += gloo_hops(kind, span.num_ranks) * (self.topology.device.collective_hop_delay_s or 0.0)
+        level = (pair_level or "island") if kind == "send_recv" else _outermost(span)
+        seconds = per_byte_s * size
+        return CollectivePlan("measured", "backend", latency_s, dict(plan.bytes_by_level),
+                              {level: seconds * self.bandwidth(level)} if seconds > 0 else {},
+                              latency_s + seconds)
+
+    def _nccl_plan(self, kind: str, size: float, span: GroupSpan, pair_level: str | None) -> CollectivePlan:
         n = span.num_ranks
         if kind == "send_recv":
             level = pair_level or "island"

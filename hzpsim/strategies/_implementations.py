@@ -112,6 +112,23 @@ class Implementation:
     synchronous: bool = False
     """Kernels run on the thread that launches them (a CPU device): a launch waits for the
     previous kernel, so host time and kernel time add up (set by :meth:`on_device`)."""
+    framework_host: str = ""
+    """Which measured framework host cost applies (``hzpsim calibrate machine`` measures them on
+    the device; an uncalibrated device has none, so nothing changes): ``"fsdp2"`` adds the
+    device's ``fsdp2_call_host_s`` to every collective call (FSDP2's Python around each unit's
+    all-gather and reduce-scatter: ``_fsdp_state.py::FSDPState._pre_forward`` /
+    ``_post_forward``, ``_fsdp_param_group.py::FSDPParamGroup.pre_backward`` /
+    ``post_backward``, ``_fsdp_collectives.py::foreach_all_gather`` /
+    ``foreach_all_gather_copy_out`` / ``foreach_reduce``); ``"dtensor"`` charges every
+    dispatched op the device's ``dtensor_op_host_s`` instead of ``kernel_launch_s``
+    (``torch/distributed/tensor/_dispatch.py::OpDispatcher.dispatch``: sharding propagation
+    and redistribution in Python before each local op, and ``parallel/style.py``'s module
+    hooks; the executor's ND runs DTensor TP); ``"asynchzp"`` charges every op the device's
+    ``asynchzp_op_host_s`` (hzpsim's own AsyncHZP executor: ``executor/asynchzp.py``'s
+    saved-tensor hooks, buffer-ring copies and the Python of its ag / rs / dp threads, which
+    share the GIL and the core with the training thread)."""
+    framework_call_s: float = 0.0
+    """Host time of the framework's Python per collective call (set by :meth:`on_device`)."""
     tp_gathers_logits: bool = False
     """Tensor parallelism: the head's vocabulary-sharded logits are all-gathered to every TP
     rank before the loss (DTensor's ``ColwiseParallel(output_layouts=Replicate())``, torchtitan
@@ -159,7 +176,8 @@ class Implementation:
         """Host time to issue ``calls`` collective calls over ``group_size`` ranks."""
         if not self.host or calls == 0:
             return 0.0
-        per_call = self.collective_call_s + (LIST_FORM_PER_RANK_S * group_size if self.list_form else 0.0)
+        per_call = self.collective_call_s + self.framework_call_s + (
+            LIST_FORM_PER_RANK_S * group_size if self.list_form else 0.0)
         return calls * per_call
 
     def state_bytes_per_param(self, param_element_bytes: float, grad_element_bytes: float) -> dict[str, float]:
@@ -178,8 +196,15 @@ class Implementation:
         machine``): per-kernel and per-call host time and whether kernels run synchronously."""
         if not self.host:
             return self
-        return replace(self, kernel_launch_s=device.kernel_launch_s if device.kernel_launch_s is not None
-                       else self.kernel_launch_s,
+        kernel_launch_s = device.kernel_launch_s if device.kernel_launch_s is not None else self.kernel_launch_s
+        framework_call_s = self.framework_call_s
+        if self.framework_host == "dtensor" and device.dtensor_op_host_s is not None:
+            kernel_launch_s = device.dtensor_op_host_s
+        if self.framework_host == "asynchzp" and device.asynchzp_op_host_s is not None:
+            kernel_launch_s = device.asynchzp_op_host_s
+        if self.framework_host == "fsdp2" and device.fsdp2_call_host_s is not None:
+            framework_call_s = device.fsdp2_call_host_s
+        return replace(self, kernel_launch_s=kernel_launch_s, framework_call_s=framework_call_s,
                        collective_call_s=device.collective_call_s if device.collective_call_s is not None
                        else self.collective_call_s,
                        synchronous=device.synchronous_host)
@@ -235,12 +260,13 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "fsdp2": Implementation(
         name="fsdp2", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
+        framework_host="fsdp2",
         source=f"{_PT}:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather, "
                "foreach_all_gather_copy_out (split_with_sizes_copy of the whole unit), foreach_reduce; "
                "_fsdp_state.py::FSDPState._pre_forward (no unshard during the recompute)",
     ),
     "reference": Implementation(
-        name="reference", calls_from_comm_threads=True,
+        name="reference", calls_from_comm_threads=True, framework_host="asynchzp",
         source="hzpsim's own AsyncHZP executor (hzpsim/executor): one flat all_gather_into_tensor and "
                "reduce_scatter_tensor per unit from background threads into pre-allocated buffers",
     ),
@@ -266,6 +292,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "dtensor": Implementation(
         name="dtensor", grad_reduce_overlap=False, master_weights=False, tp_gathers_logits=True,
+        framework_host="dtensor",
         source=f"{_PT}:torch/distributed/tensor/parallel/style.py::ColwiseParallel, RowwiseParallel, "
                "SequenceParallel, PrepareModuleInput (torchtitan's TP plan with sequence parallelism and "
                "the logits gathered: output_layouts=Replicate()), torch/distributed/pipelining/schedules.py::"

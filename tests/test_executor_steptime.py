@@ -1,0 +1,215 @@
+"""The executor's step-time mechanisms on a calibrated CPU device (issue 11).
+
+`hzpsim calibrate machine` measures, and the simulator applies only when a device carries the
+measurement (so no uncalibrated prediction moves):
+
+- per collective kind and group size, gloo's own latency and seconds per byte
+  (``Device.collective_costs``, used by ``sim/collectives.py`` instead of NCCL's model);
+- FSDP2's Python per parameter gather / gradient reduce call (``Device.fsdp2_call_host_s``,
+  charged by the ``fsdp2`` implementation profile per call);
+- DTensor's dispatch per ATen op (``Device.dtensor_op_host_s``, charged by the ``dtensor``
+  profile per op instead of ``kernel_launch_s``).
+
+Fast tests (no torch); the calibration itself runs in the slow
+``test_calibrate_machine_writes_a_profile_the_simulator_reads`` of tests/test_executor.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hzpsim.cluster.devices import get_device
+from hzpsim.cluster.topology import ClusterSpec, build_topology
+from hzpsim.executor.calibrate import (
+    build_profile,
+    fit_collectives,
+    fit_kind,
+    hop_delay,
+    in_step_times,
+)
+from hzpsim.sim.collectives import CollectiveModel, gloo_hops
+from hzpsim.strategies import _implementations as impl
+from hzpsim.validate_executor import DEFAULT_SCENARIO, predicted_report, scenario_for_world
+
+COSTS = (("all_gather", 4, 2e-3, 1e-9), ("reduce_scatter", 4, 5e-3, 4e-9), ("all_reduce", 4, 3e-3, 2e-9),
+         ("all_to_all", 4, 1e-3, 5e-10), ("send_recv", 2, 4e-4, 3e-10), ("all_gather", 2, 1e-3, 8e-10))
+
+
+def _topology(costs=COSTS, world=4):
+    topology = build_topology(ClusterSpec(preset="local-cpu", gpus_per_node=world))
+    topology.device = dataclasses.replace(topology.device, collective_costs=costs)
+    return topology
+
+
+@pytest.mark.parametrize("kind, latency, per_byte", [(k, lat, b) for k, g, lat, b in COSTS if g == 4])
+def test_measured_collective_costs_replace_nccls_model(kind, latency, per_byte):
+    """Each kind takes its own measured latency + size x seconds-per-byte (gloo's algorithms
+    differ by kind), not the one fabric fit through NCCL's formulas."""
+    size = 3 << 20
+    topology = _topology()
+    plan = CollectiveModel(topology).plan(kind, size, topology.span([0, 1, 2, 3]))
+    assert plan.isolated_time_s == pytest.approx(latency + per_byte * size)
+    assert plan.latency_s == pytest.approx(latency)
+    # what the engine moves: the demand at the level's bandwidth takes the per-byte time
+    [(level, demand)] = plan.demand_by_level.items()
+    assert demand / topology.link(level).achieved_bytes_per_s == pytest.approx(per_byte * size)
+    nccl = CollectiveModel(_topology(costs=())).plan(kind, size, topology.span([0, 1, 2, 3]))
+    assert plan.bytes_by_level == nccl.bytes_by_level  # the reported bytes stay the algorithm's
+    assert nccl.isolated_time_s != pytest.approx(plan.isolated_time_s)
+
+
+def test_measured_costs_pick_the_nearest_group_size_and_send_pairs():
+    topology = _topology()
+    model = CollectiveModel(topology)
+    pair = model.plan("all_gather", 1e6, topology.span([0, 1]))
+    assert pair.isolated_time_s == pytest.approx(1e-3 + 8e-10 * 1e6)  # the 2-rank fit, not the 4-rank one
+    send = model.plan("send_recv", 1e6, topology.span([0, 2]), "island")
+    assert send.isolated_time_s == pytest.approx(4e-4 + 3e-10 * 1e6)
+
+
+def test_uncalibrated_devices_keep_the_nccl_model():
+    """No table, no change: the GPU presets and an uncalibrated cpu-local plan as before."""
+    assert get_device("cpu-local").collective_costs == ()
+    assert get_device("h100-sxm").collective_costs == ()
+    assert get_device("cpu-local").fsdp2_call_host_s is None and get_device("cpu-local").dtensor_op_host_s is None
+    assert get_device("cpu-local").collective_hop_delay_s is None
+
+
+def test_fsdp2_and_dtensor_profiles_charge_the_measured_framework_host_cost():
+    device = dataclasses.replace(get_device("cpu-local"), kernel_launch_s=1e-5, collective_call_s=1e-4,
+                                 fsdp2_call_host_s=2e-3, dtensor_op_host_s=2e-4)
+    fsdp2 = impl.get("fsdp2").on_device(device)
+    assert fsdp2.call_host_s(3, 4) == pytest.approx(3 * (1e-4 + 2e-3))
+    assert fsdp2.launch_s(100) == pytest.approx(100 * 1e-5)  # FSDP2's ops are plain tensors' ops
+    dtensor = impl.get("dtensor").on_device(device)
+    assert dtensor.launch_s(100) == pytest.approx(100 * 2e-4)
+    assert dtensor.call_host_s(1, 2) == pytest.approx(1e-4)
+    for name in ("deepspeed", "fsdp1", "torchtitan", "megatron-core", "reference", "ddp", "ideal"):
+        other = impl.get(name).on_device(device)
+        plain = impl.get(name).on_device(dataclasses.replace(device, fsdp2_call_host_s=None, dtensor_op_host_s=None))
+        assert other == plain, name
+    # uncalibrated: the framework cost is absent
+    bare = impl.get("fsdp2").on_device(get_device("cpu-local"))
+    assert bare.framework_call_s == 0.0 and bare.kernel_launch_s == get_device("cpu-local").kernel_launch_s
+
+
+def _profile(**device):
+    return {"device": {"kernel_launch_s": 1e-5, "collective_call_s": 1e-4, **device}, "cluster": {}}
+
+
+@pytest.mark.parametrize("strategy, field, value", [("zero3", "fsdp2_call_host_s", 2e-3),
+                                                    ("nd", "dtensor_op_host_s", 2e-4)])
+def test_the_framework_host_cost_lengthens_the_predicted_step(strategy, field, value):
+    """ZeRO-3 on FSDP2 issues 36 gather / reduce calls per rank and step, ND's DTensor layers
+    dispatch thousands of ops: the measured framework cost shows up in the predicted step."""
+    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(), filters=[strategy])
+    with_cost = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(**{field: value}), filters=[strategy])
+    base = predicted_report(scenario, scenario.strategies[0])["step_time_s"]
+    more = predicted_report(with_cost, with_cost.strategies[0])["step_time_s"]
+    minimum = 36 * (value - 0.0) if field == "fsdp2_call_host_s" else 1000 * (value - 1e-5)
+    assert more - base >= 0.9 * minimum, (base, more)
+
+
+def test_validate_reads_the_collective_table_from_the_profile():
+    rows = [["all_gather", 4, 2e-3, 1e-9], ["reduce_scatter", 4, 5e-3, 4e-9]]
+    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(collective_costs=rows), filters=["zero3"])
+    assert scenario.topology.device.collective_costs == tuple(tuple(r) for r in rows)
+
+
+def test_fit_kind_recovers_latency_and_per_byte_time():
+    sizes = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
+    rows = [{"size_bytes": s, "time_s": 3e-3 + 2e-9 * s} for s in sizes]
+    latency, per_byte = fit_kind(rows)
+    assert latency == pytest.approx(3e-3, rel=1e-6) and per_byte == pytest.approx(2e-9, rel=1e-6)
+    # a negative intercept is not a latency: the best non-negative fit instead
+    latency, per_byte = fit_kind([{"size_bytes": s, "time_s": 2e-9 * s - 1e-5 + 1e-3 * (s == 4096)} for s in sizes])
+    assert latency >= 0 and per_byte >= 0
+
+
+def test_fit_collectives_one_row_per_kind_and_group():
+    rows = [{"kind": k, "group_size": g, "size_bytes": s, "time_s": 1e-3 * g + 1e-9 * s}
+            for k in ("all_gather", "send_recv") for g in (2, 4) for s in (4096, 1 << 20, 16 << 20)]
+    fits = fit_collectives(rows)
+    assert [(k, g) for k, g, _, _ in fits] == [("all_gather", 2), ("all_gather", 4), ("send_recv", 2), ("send_recv", 4)]
+    assert fits[1][2] == pytest.approx(4e-3) and fits[1][3] == pytest.approx(1e-9)
+
+
+def test_in_step_time_runs_from_the_last_arrival_to_each_completion():
+    """Four ranks, one group of 4: a call issued at 0, 1, 2, 5 ms and done at 9, 9, 9, 10 ms
+    lasts 4.25 ms: from the last arrival (the early ranks' wait is the others' work, which the
+    simulator's rendezvous charges) to each rank's own completion, averaged (each rank goes on
+    when its own call returns); the last completion comes 5 ms after."""
+    ms = 1_000_000
+    marks = [[(0, 9 * ms)], [(1 * ms, 9 * ms)], [(2 * ms, 9 * ms)], [(5 * ms, 10 * ms)]]
+    rows = [[{"kind": "all_gather", "group_size": 4, "size_bytes": 64, "marks": m}] for m in marks]
+    [row] = in_step_times(rows, 4)
+    assert row["time_s"] == pytest.approx(4.25e-3) and row["last_completion_s"] == pytest.approx(5e-3)
+
+
+def test_hop_delay_is_the_in_step_excess_per_message():
+    """In-step minus back-to-back time = hops x delay (ring all-gather n-1 hops, all-reduce and
+    gloo's reduce-scatter 2(n-1), send 1); bandwidth-bound sizes are left out."""
+    delay = 1.2e-3
+    sweep, in_step = [], []
+    for kind, g in (("all_gather", 4), ("reduce_scatter", 4), ("all_reduce", 2), ("send_recv", 4)):
+        for size in (4096, 1 << 20, 16 << 20):
+            base = 1e-3 + 1e-9 * size
+            hops = {"all_gather": g - 1, "reduce_scatter": 2 * (g - 1), "all_reduce": 2 * (g - 1), "send_recv": 1}[kind]
+            sweep.append({"kind": kind, "group_size": g, "size_bytes": size, "time_s": base})
+            noise = 0.05 if size > (1 << 20) else 0.0  # a big call's noise must not leak in
+            in_step.append({"kind": kind, "group_size": g, "size_bytes": size, "time_s": base + hops * delay + noise})
+    assert hop_delay(sweep, in_step) == pytest.approx(delay)
+    assert hop_delay(sweep, sweep) == 0.0
+
+
+def test_gloo_hops_per_kind():
+    assert [gloo_hops(k, 4) for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")] == \
+        [3, 6, 6, 3, 1]
+    assert gloo_hops("all_gather", 1) == 0
+
+
+def test_the_hop_delay_adds_to_every_measured_collective():
+    topology = _topology()
+    topology.device = dataclasses.replace(topology.device, collective_hop_delay_s=1e-3)
+    plan = CollectiveModel(topology).plan("reduce_scatter", 1e6, topology.span([0, 1, 2, 3]))
+    assert plan.isolated_time_s == pytest.approx(5e-3 + 6 * 1e-3 + 4e-9 * 1e6)
+    assert plan.latency_s == pytest.approx(5e-3 + 6e-3)
+
+
+def test_build_profile_carries_the_measured_mechanisms():
+    collectives = [{"kind": k, "group_size": 2, "size_bytes": s, "time_s": 1e-3 + 1e-9 * s}
+                   for k in ("all_gather", "reduce_scatter") for s in (4096, 1 << 20)]
+    rank = {"gemm": [{"m": 64, "k": 64, "n": 64, "flops_per_s": 1e10}], "memory": [{"elements": 1, "bytes_per_s": 1e9}],
+            "collectives": collectives, "call_issue_s": {2: 1e-4}, "autograd_op_s": 1e-6, "eager_op_s": 2e-5,
+            "eager_ops_per_step": 491, "kernel_launch_s": 1e-6, "host_cost_per_call_s": 1e-3, "sharing_factor": 2.0,
+            "framework": {"fsdp2_call_s": 2e-3, "dtensor_op_s": 2e-4},
+            "in_step_marks": [{"kind": c["kind"], "group_size": 2, "size_bytes": c["size_bytes"], "marks": []}
+                              for c in collectives]}
+    profile = build_profile([rank, rank], 2)
+    device = profile["device"]
+    assert device["fsdp2_call_host_s"] == pytest.approx(2e-3) and device["dtensor_op_host_s"] == pytest.approx(2e-4)
+    assert [r[:2] for r in device["collective_costs"]] == [["all_gather", 2], ["reduce_scatter", 2]]
+    assert device["collective_costs"][0][2] == pytest.approx(1e-3)
+
+
+def test_at_load_scales_every_cpu_cost_and_the_prediction():
+    """At a sharing factor 1.5x the calibration's (other jobs took cores) every CPU cost takes
+    1.5x as long; the predicted step of this CPU-bound model follows (within the fixed parts)."""
+    from hzpsim.validate_executor import at_load
+
+    device = dataclasses.replace(get_device("cpu-local"), kernel_launch_s=1e-5, collective_call_s=1e-4,
+                                 fsdp2_call_host_s=2e-3, collective_hop_delay_s=1e-3, collective_costs=COSTS)
+    slow = at_load(device, 1.5)
+    assert slow.peak_fp32_flops_per_s == pytest.approx(device.peak_fp32_flops_per_s / 1.5)
+    assert slow.memory_bytes_per_s == pytest.approx(device.memory_bytes_per_s / 1.5)
+    for field in ("kernel_launch_s", "collective_call_s", "fsdp2_call_host_s", "collective_hop_delay_s"):
+        assert getattr(slow, field) == pytest.approx(1.5 * getattr(device, field)), field
+    assert slow.dtensor_op_host_s is None  # not measured stays not measured
+    assert [c[2:] for c in slow.collective_costs] == [pytest.approx((1.5 * c[2], 1.5 * c[3])) for c in COSTS]
+    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(fsdp2_call_host_s=2e-3, collective_costs=[list(c) for c in COSTS]),
+                                  filters=["zero3"])
+    base = predicted_report(scenario, scenario.strategies[0])["step_time_s"]
+    scenario.topology.device = at_load(scenario.topology.device, 1.5)
+    assert predicted_report(scenario, scenario.strategies[0])["step_time_s"] == pytest.approx(1.5 * base, rel=0.02)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
+from typing import Any
 
 import simpy
 
@@ -26,7 +27,7 @@ from hzpsim.cluster.topology import GroupSpan, Topology
 from hzpsim.ops import COMPUTE, GraphError, Op, OpGraph, SimulatorFault
 from hzpsim.sim.collectives import CollectiveModel, CollectivePlan
 from hzpsim.sim.compute import ComputeModel, Efficiency
-from hzpsim.sim.network import Network, Resource, Timer, call_after, flow_template
+from hzpsim.sim.network import Network, Resource, call_after, flow_template
 from hzpsim.sim.variability import Stragglers
 
 UNDONE = -1.0
@@ -37,6 +38,7 @@ STALL_EVENTS = 2_000_000
 
 
 _NORMAL = 1  # simpy.events.NORMAL
+_UNSET = object()
 
 
 class _Waiter:
@@ -90,7 +92,7 @@ class Engine:
         n = len(graph.ops)
         self.start_s = [UNDONE] * n
         self.end_s = [UNDONE] * n
-        self._waiters: dict[int, simpy.Event] = {}
+        self._waiters: dict[int, _Waiter] = {}
         self._arrived = [0] * n
         self.plans: dict[int, CollectivePlan] = {}
         self.spans = {name: topology.span(ranks) for name, ranks in graph.groups.items()}
@@ -118,12 +120,12 @@ class Engine:
         # compute waits for that member unless it already waited at least as long for its inputs
         self._straggler: dict[int, tuple[float, float]] = {}
         self._queue, self._eid = self.env._queue, self.env._eid
-        self._flows: dict[tuple[int, int], tuple | None] = {}  # (rank, id(plan)) -> flow template
+        self._flows: dict[tuple[int, int], Any] = {}  # (rank, id(plan)) -> flow template (None: nothing to move)
         self._durations: dict[tuple, float] = {}  # (id(shapes), bytes, fixed) -> seconds (see _duration_s)
 
     def _trigger(self, event: _Waiter) -> None:
         """``event.succeed()``: due now, after what is already due now."""
-        heappush(self._queue, (self.env._now, _NORMAL, next(self._eid), event))
+        heappush(self._queue, (self.env._now, _NORMAL, next(self._eid), event))  # type: ignore[misc]
 
     def _capacity(self, resource: Resource) -> float:
         level = resource[1]
@@ -157,7 +159,7 @@ class Engine:
         if event is not None:
             self._trigger(event)
 
-    def _stream(self, ops: list[Op]) -> Generator[simpy.Event | Timer | _Waiter, None, None]:
+    def _stream(self, ops: list[Op]) -> Generator[Any, None, None]:  # yields Timer / _Waiter events
         env, end_s, start_s, arrived, waiters = self.env, self.end_s, self.start_s, self._arrived, self._waiters
         straggler, stragglers = self._straggler, self.stragglers
         slowable = bool(self.slowdown)
@@ -337,8 +339,8 @@ class Engine:
             # every flow of one plan from one rank has the same demands: computed once (the
             # plan stays alive in self.plans, so its id is not reused during the run)
             key = (rank, id(plan))
-            template = flows.get(key, False)
-            if template is False:
+            template = flows.get(key, _UNSET)
+            if template is _UNSET:
                 demands = {(rank, level): b for level, b in plan.demand_by_level.items()}
                 template = flows[key] = flow_template(demands) if demands and max(demands.values()) > 0 else None
             if template is None:
@@ -351,7 +353,8 @@ class Engine:
     def _run_guarded(self) -> None:
         """``env.run()``, checked every ``STALL_EVENTS`` events for progress (an op finished).
         The loop is ``env.step()``'s, inlined: the same events in the same order."""
-        env, queue, stall_events = self.env, self.env._queue, STALL_EVENTS
+        env, stall_events = self.env, STALL_EVENTS
+        queue: list[Any] = env._queue
         finished = -1
         while True:
             if self.num_finished == finished:

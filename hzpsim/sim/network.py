@@ -51,7 +51,7 @@ def call_after(env: simpy.Environment, delay: float, callback: Callable | None =
     if delay < 0:
         raise ValueError(f"Negative delay {delay}")
     timer = Timer([callback] if callback is not None else [])
-    heappush(env._queue, (env._now + delay, _NORMAL, next(env._eid), timer))
+    heappush(env._queue, (env._now + delay, _NORMAL, next(env._eid), timer))  # type: ignore[misc]
     return timer
 
 

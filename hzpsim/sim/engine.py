@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from heapq import heappop, heappush
+from typing import Any
 
 import simpy
 
@@ -25,7 +27,7 @@ from hzpsim.cluster.topology import GroupSpan, Topology
 from hzpsim.ops import COMPUTE, GraphError, Op, OpGraph, SimulatorFault
 from hzpsim.sim.collectives import CollectiveModel, CollectivePlan
 from hzpsim.sim.compute import ComputeModel, Efficiency
-from hzpsim.sim.network import Network, Resource
+from hzpsim.sim.network import Network, Resource, call_after, flow_template
 from hzpsim.sim.variability import Stragglers
 
 UNDONE = -1.0
@@ -35,12 +37,28 @@ UNDONE = -1.0
 STALL_EVENTS = 2_000_000
 
 
+_NORMAL = 1  # simpy.events.NORMAL
+_UNSET = object()
+
+
+class _Waiter:
+    """A SimPy-compatible event that the engine triggers (``env.event()`` and its
+    ``succeed()``, without their bookkeeping): the same place in SimPy's queue."""
+
+    __slots__ = ("callbacks", "_ok", "_value")
+
+    def __init__(self) -> None:
+        self.callbacks: list = []
+        self._ok = True
+        self._value = None
+
+
 class _Running:
     """A compute op in progress whose speed may change (see Engine._talk)."""
 
     __slots__ = ("op", "remaining_s", "rate", "since_s", "done", "generation")
 
-    def __init__(self, op: Op, remaining_s: float, rate: float, since_s: float, done: simpy.Event) -> None:
+    def __init__(self, op: Op, remaining_s: float, rate: float, since_s: float, done: _Waiter) -> None:
         self.op, self.remaining_s, self.rate, self.since_s, self.done = op, remaining_s, rate, since_s, done
         self.generation = 0
 
@@ -74,7 +92,7 @@ class Engine:
         n = len(graph.ops)
         self.start_s = [UNDONE] * n
         self.end_s = [UNDONE] * n
-        self._waiters: dict[int, simpy.Event] = {}
+        self._waiters: dict[int, _Waiter] = {}
         self._arrived = [0] * n
         self.plans: dict[int, CollectivePlan] = {}
         self.spans = {name: topology.span(ranks) for name, ranks in graph.groups.items()}
@@ -101,6 +119,13 @@ class Engine:
         # rank -> (time of a rendezvous, how late its slowest member was): the rank's next device
         # compute waits for that member unless it already waited at least as long for its inputs
         self._straggler: dict[int, tuple[float, float]] = {}
+        self._queue, self._eid = self.env._queue, self.env._eid
+        self._flows: dict[tuple[int, int], Any] = {}  # (rank, id(plan)) -> flow template (None: nothing to move)
+        self._durations: dict[tuple, float] = {}  # (id(shapes), bytes, fixed) -> seconds (see _duration_s)
+
+    def _trigger(self, event: _Waiter) -> None:
+        """``event.succeed()``: due now, after what is already due now."""
+        heappush(self._queue, (self.env._now, _NORMAL, next(self._eid), event))  # type: ignore[misc]
 
     def _capacity(self, resource: Resource) -> float:
         level = resource[1]
@@ -110,21 +135,21 @@ class Engine:
 
     # ------------------------------------------------------------------ processes
 
-    def _wait(self, op_id: int) -> simpy.Event:
+    def _wait(self, op_id: int) -> _Waiter:
         event = self._waiters.get(op_id)
         if event is None:
-            event = self._waiters[op_id] = self.env.event()
+            event = self._waiters[op_id] = _Waiter()
         return event
 
     def _memory(self, op: Op, delta: tuple[tuple[str, float], ...], sign: float) -> None:
-        now = self.env.now
+        now = self.env._now
         for rank in op.ranks:
             events = self.memory_events[rank]
             for category, size in delta:
                 events.append((now, category, sign * size))
 
     def _finish(self, op: Op) -> None:
-        self.end_s[op.id] = self.env.now
+        self.end_s[op.id] = self.env._now
         self.num_finished += 1
         if self.contended and op.kind != COMPUTE:
             self._talk(op, -1)
@@ -132,40 +157,49 @@ class Engine:
             self._memory(op, op.free, -1.0)
         event = self._waiters.pop(op.id, None)
         if event is not None:
-            event.succeed()
+            self._trigger(event)
 
-    def _stream(self, ops: list[Op]) -> Generator[simpy.Event, None, None]:
-        end_s = self.end_s
+    def _stream(self, ops: list[Op]) -> Generator[Any, None, None]:  # yields Timer / _Waiter events
+        env, end_s, start_s, arrived, waiters = self.env, self.end_s, self.start_s, self._arrived, self._waiters
+        straggler, stragglers = self._straggler, self.stragglers
+        slowable = bool(self.slowdown)
+        shared = self.shared_cores
         previous_end_s = 0.0
         for op in ops:
             for d in op.deps:
                 if end_s[d] == UNDONE:
-                    yield self._wait(d)
+                    event = waiters.get(d)
+                    if event is None:
+                        event = waiters[d] = _Waiter()
+                    yield event
             if op.kind == COMPUTE:
                 device = bool(op.flops or op.bytes_accessed)
-                if device and self._straggler:
-                    late = self._straggler.pop(op.ranks[0], None)
+                if device and straggler:
+                    late = straggler.pop(op.ranks[0], None)
                     if late is not None:
-                        waited_s = self.env.now - max(previous_end_s, late[0])
+                        waited_s = env._now - max(previous_end_s, late[0])
                         if late[1] > waited_s:
-                            yield self.env.timeout(late[1] - waited_s)
-                self.start_s[op.id] = self.env.now
+                            yield call_after(env, late[1] - waited_s)
+                start = start_s[op.id] = env._now
                 if op.alloc:
                     self._memory(op, op.alloc, 1.0)
-                if (self.slowdown and device) or self.shared_cores:  # GPU: host time is not slowed
+                if (slowable and device) or shared:  # GPU: host time is not slowed
                     yield self._start_slowable(op, device)
                 else:
-                    yield self.env.timeout(self._duration_s(op, device))
-                if device and self.stragglers.cv > 0:  # device work: what a straggler falls behind on
-                    self.stragglers.worked(op.ranks[0], self.env.now - self.start_s[op.id])
+                    yield call_after(env, self._duration_s(op, device))
+                if device and stragglers.cv > 0:  # device work: what a straggler falls behind on
+                    stragglers.worked(op.ranks[0], env._now - start)
                 self._finish(op)
-                previous_end_s = self.env.now
+                previous_end_s = env._now
             else:
-                self._arrived[op.id] += 1
-                if self._arrived[op.id] == len(op.ranks):
+                count = arrived[op.id] = arrived[op.id] + 1
+                if count == len(op.ranks):
                     self._collective(op)
                 if end_s[op.id] == UNDONE:
-                    yield self._wait(op.id)
+                    event = waiters.get(op.id)
+                    if event is None:
+                        event = waiters[op.id] = _Waiter()
+                    yield event
                 previous_end_s = end_s[op.id]
 
     # ------------------------------------------------------------------ compute slowdown
@@ -176,15 +210,22 @@ class Engine:
         return 0.0 if self.shared_cores else 1.0 / (1.0 + self.slowdown)
 
     def _duration_s(self, op: Op, device: bool) -> float:
-        """Time of a compute op alone on its rank: an explicit straggler's device work is slower."""
-        seconds = self.compute_model.duration_s(op)
+        """Time of a compute op alone on its rank: an explicit straggler's device work is slower.
+        Ops sharing their kernel shapes (one tuple in the graph) and bytes take the same time."""
+        if op.shapes:
+            key = (id(op.shapes), op.bytes_accessed, op.duration_s)
+            seconds = self._durations.get(key)
+            if seconds is None:
+                seconds = self._durations[key] = self.compute_model.duration_s(op)
+        else:
+            seconds = self.compute_model.duration_s(op)
         if device and self._compute_slowdown:
             seconds *= self._compute_slowdown.get(op.ranks[0], 1.0)
         return seconds
 
-    def _start_slowable(self, op: Op, device: bool = True) -> simpy.Event:
+    def _start_slowable(self, op: Op, device: bool = True) -> _Waiter:
         rank = op.ranks[0]
-        job = _Running(op, self._duration_s(op, device), self._rate(rank), self.env.now, self.env.event())
+        job = _Running(op, self._duration_s(op, device), self._rate(rank), self.env._now, _Waiter())
         self._running[rank].append(job)
         self._schedule(job)
         return job.done
@@ -194,23 +235,23 @@ class Engine:
         if job.rate == 0.0:  # paused until the rank's collectives end (_talk reschedules it)
             return
         generation = job.generation
-        timer = self.env.timeout(max(job.remaining_s / job.rate, 0.0))
-        timer.callbacks.append(lambda _event: self._job_timer(job, generation))
+        call_after(self.env, max(job.remaining_s / job.rate, 0.0), lambda _event: self._job_timer(job, generation))
 
     def _job_timer(self, job: _Running, generation: int) -> None:
         if generation != job.generation:
             return
         self._running[job.op.ranks[0]].remove(job)
-        job.done.succeed()
+        self._trigger(job.done)
 
     def _talk(self, op: Op, delta: int) -> None:
         """A collective starts (+1) or ends (-1) on its ranks: re-time their running compute."""
-        now = self.env.now
+        now = self.env._now
+        talking, rate = self._talking, self._rate
         # a gloo receive copies on the receiver's cores too
         for rank in op.ranks if self.shared_cores else op.senders:
-            before = self._rate(rank)
-            self._talking[rank] += delta
-            after = self._rate(rank)
+            before = rate(rank)
+            talking[rank] += delta
+            after = rate(rank)
             if after == before:
                 continue
             for job in self._running[rank]:
@@ -221,7 +262,7 @@ class Engine:
     def _collective(self, op: Op) -> None:
         """All participants have arrived: pay the latency, then move the bytes (callbacks, not
         a process: collectives are the most frequent events)."""
-        now = self.env.now
+        now = self.env._now
         self.start_s[op.id] = now
         if self.contended:
             self._talk(op, +1)
@@ -249,8 +290,7 @@ class Engine:
                 if late_s > straggler.get(rank, (0.0, 0.0))[1]:
                     straggler[rank] = (now, late_s)
         if wait_s > 0:
-            timer = self.env.timeout(wait_s)
-            timer.callbacks.append(lambda _event: self._transfer(op, plan))
+            call_after(self.env, wait_s, lambda _event: self._transfer(op, plan))
         else:
             self._transfer(op, plan)
 
@@ -283,31 +323,54 @@ class Engine:
             self._finish(op)
             return
         senders = op.senders
-        pending = [len(senders)]
-
-        def one_finished() -> None:
-            pending[0] -= 1
-            if pending[0] == 0:
+        if len(senders) == 1:
+            def one_finished() -> None:
                 self._finish(op)
+        else:
+            pending = [len(senders)]
 
+            def one_finished() -> None:
+                pending[0] -= 1
+                if pending[0] == 0:
+                    self._finish(op)
+
+        flows = self._flows
         for rank in senders:
-            self.networks[rank].transfer({(rank, level): b for level, b in plan.demand_by_level.items()}, one_finished)
+            # every flow of one plan from one rank has the same demands: computed once (the
+            # plan stays alive in self.plans, so its id is not reused during the run)
+            key = (rank, id(plan))
+            template = flows.get(key, _UNSET)
+            if template is _UNSET:
+                demands = {(rank, level): b for level, b in plan.demand_by_level.items()}
+                template = flows[key] = flow_template(demands) if demands and max(demands.values()) > 0 else None
+            if template is None:
+                one_finished()
+            else:
+                self.networks[rank].transfer({}, one_finished, template)
 
     # ------------------------------------------------------------------ run
 
     def _run_guarded(self) -> None:
-        """``env.run()``, checked every ``STALL_EVENTS`` events for progress (an op finished)."""
-        step, stall_events = self.env.step, STALL_EVENTS
+        """``env.run()``, checked every ``STALL_EVENTS`` events for progress (an op finished).
+        The loop is ``env.step()``'s, inlined: the same events in the same order."""
+        env, stall_events = self.env, STALL_EVENTS
+        queue: list[Any] = env._queue
         finished = -1
-        try:
-            while True:
-                if self.num_finished == finished:
-                    self._stalled(stall_events)
-                finished = self.num_finished
-                for _ in range(stall_events):
-                    step()
-        except simpy.core.EmptySchedule:
-            return
+        while True:
+            if self.num_finished == finished:
+                self._stalled(stall_events)
+            finished = self.num_finished
+            for _ in range(stall_events):
+                if not queue:
+                    return
+                env._now, _, _, event = heappop(queue)
+                callbacks, event.callbacks = event.callbacks, None
+                for callback in callbacks:
+                    callback(event)
+                if not event._ok and not hasattr(event, "_defused"):  # a process failed: re-raise it
+                    exc = type(event._value)(*event._value.args)
+                    exc.__cause__ = event._value
+                    raise exc
 
     def _stalled(self, stall_events: int) -> None:
         in_flight = [op for op in self.graph.ops if self.start_s[op.id] != UNDONE and self.end_s[op.id] == UNDONE]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from heapq import heappush
 
 import simpy
 
@@ -29,17 +30,53 @@ def done_within_s(now_s: float) -> float:
     return max(_EPS_S, _CLOCK_ULPS * math.ulp(now_s))
 
 
-class Flow:
-    __slots__ = ("load", "remaining", "rate", "on_done")
+_NORMAL = 1  # simpy.events.NORMAL: the priority of every timer and triggered event here
 
-    def __init__(self, demands: Mapping[Resource, float], on_done: Callable[[], None]) -> None:
-        total = max(demands.values())
+
+class Timer:
+    """A triggered event due at a time: what ``env.timeout(delay)`` schedules, without its
+    bookkeeping (the engine's and the network's most frequent object). It takes the same place
+    in SimPy's queue as a Timeout would, so runs are event for event the same."""
+
+    __slots__ = ("callbacks", "_ok", "_value")
+
+    def __init__(self, callbacks: list) -> None:
+        self.callbacks = callbacks
+        self._ok = True
+        self._value = None
+
+
+def call_after(env: simpy.Environment, delay: float, callback: Callable | None = None) -> Timer:
+    """A timer ``delay`` seconds from now (``env.timeout(delay)``) that calls ``callback(timer)``."""
+    if delay < 0:
+        raise ValueError(f"Negative delay {delay}")
+    timer = Timer([callback] if callback is not None else [])
+    heappush(env._queue, (env._now + delay, _NORMAL, next(env._eid), timer))  # type: ignore[misc]
+    return timer
+
+
+class Flow:
+    __slots__ = ("load", "remaining", "rate", "on_done", "alone")
+
+    def __init__(self, demands: Mapping[Resource, float] | None, on_done: Callable[[], None],
+                 template: tuple[dict[Resource, float], float, list[float]] | None = None) -> None:
+        if template is None:
+            template = flow_template(demands or {})
+        load, total, alone = template
         # bytes on each resource per unit of progress; progress is counted in bytes on the
         # flow's most-loaded resource
-        self.load = {r: b / total for r, b in demands.items() if b > 0}
+        self.load = load
         self.remaining = total
         self.rate = 0.0
         self.on_done = on_done
+        self.alone = alone  # [rate alone on its links], filled on first use (shared by a template)
+
+
+def flow_template(demands: Mapping[Resource, float]) -> tuple[dict[Resource, float], float, list[float]]:
+    """What every flow of ``demands`` shares: its load per resource, its bytes and (once
+    known) its rate alone on its links."""
+    total = max(demands.values())
+    return {r: b / total for r, b in demands.items() if b > 0}, total, []
 
 
 class Network:
@@ -52,34 +89,45 @@ class Network:
         self._last_s = 0.0
         self._generation = 0
 
-    def transfer(self, demands: Mapping[Resource, float], on_done: Callable[[], None]) -> None:
-        if not demands or max(demands.values()) <= 0:
-            on_done()
-            return
+    def transfer(self, demands: Mapping[Resource, float], on_done: Callable[[], None],
+                 template: tuple[dict[Resource, float], float, list[float]] | None = None) -> None:
+        """Start a flow of ``demands`` (or of a ``template`` from :func:`flow_template`)."""
+        if template is None:
+            if not demands or max(demands.values()) <= 0:
+                on_done()
+                return
+            template = flow_template(demands)
         self._advance()
-        self.flows.append(Flow(demands, on_done))
+        self.flows.append(Flow(None, on_done, template))
         self._reschedule()
 
     def _advance(self) -> None:
-        elapsed = self.env.now - self._last_s
+        now = self.env._now
+        elapsed = now - self._last_s
         if elapsed > 0:
             for flow in self.flows:
                 flow.remaining -= flow.rate * elapsed
-        self._last_s = self.env.now
+        self._last_s = now
 
     def _allocate(self) -> None:
         """Max-min fair rates by progressive filling over the shared resources."""
-        if len(self.flows) == 1:  # the common case: one transfer alone on its links
-            flow = self.flows[0]
-            flow.rate = min(self.capacity(r) / w for r, w in flow.load.items())
+        flows = self.flows
+        if len(flows) == 1:  # the common case: one transfer alone on its links
+            flow = flows[0]
+            alone = flow.alone
+            if not alone:
+                alone.append(min(self.capacity(r) / w for r, w in flow.load.items()))
+            flow.rate = alone[0]
+            return
+        if not flows:
             return
         spare: dict[Resource, float] = {}
-        for flow in self.flows:
+        for flow in flows:
             flow.rate = 0.0
             for r in flow.load:
                 if r not in spare:
                     spare[r] = self.capacity(r)
-        active = list(self.flows)
+        active = list(flows)
         while active:
             weight: dict[Resource, float] = {}
             for flow in active:
@@ -97,19 +145,29 @@ class Network:
     def _reschedule(self) -> None:
         self._allocate()
         self._generation += 1
-        if self.flows:
-            delay = min(f.remaining / f.rate for f in self.flows)
+        flows = self.flows
+        if flows:
+            if len(flows) == 1:
+                delay = flows[0].remaining / flows[0].rate
+            else:
+                delay = min(f.remaining / f.rate for f in flows)
             generation = self._generation
-            timer = self.env.timeout(max(delay, 0.0))
-            timer.callbacks.append(lambda _ev: self._on_timer(generation))
+            call_after(self.env, max(delay, 0.0), lambda _ev: self._on_timer(generation))
 
     def _on_timer(self, generation: int) -> None:
         if generation != self._generation:
             return  # superseded by a later start or finish
         self._advance()
-        tolerance_s = done_within_s(self.env.now)
-        done = [f for f in self.flows if f.remaining <= f.rate * tolerance_s + 1e-6]
-        self.flows = [f for f in self.flows if f not in done]
+        tolerance_s = done_within_s(self.env._now)
+        flows = self.flows
+        if len(flows) == 1:
+            flow = flows[0]
+            done = [flow] if flow.remaining <= flow.rate * tolerance_s + 1e-6 else []
+            if done:
+                self.flows = []
+        else:
+            done = [f for f in flows if f.remaining <= f.rate * tolerance_s + 1e-6]
+            self.flows = [f for f in flows if f not in done]
         self._reschedule()
         for flow in done:
             flow.on_done()

@@ -821,10 +821,10 @@ class Model:
             return act_bytes * sb * self.hidden_size / rep_div
         if recompute == "op":
             h = self.hidden_size
-            redo = self.op_sac_recomputed_linears(i, float8)
+            linears, redo = self.layer_linears(i), self.op_sac_recomputed_linears(i, float8)
             per_token = act_bytes * h / rep_div  # the checkpointed block's input
             for block in ("attention", "router", "mlp"):
-                kept = list(self.layer_linears(i)[block])
+                kept = list(linears[block])
                 for linear in redo[block]:
                     kept.remove(linear)
                 for _, n, split_kind in kept:

@@ -186,6 +186,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
     tp_bytes = local * h * act if t > 1 else 0.0
     p2p_bytes = local * h * act / t  # Megatron's scatter/gather: each TP rank sends 1/t
     mode = training.activation_recompute
+    float8 = training.precision == "fp8"
     units: list[MPUnit] = []
 
     lookup = Work(bytes_accessed=2.0 * local * h * act / (t if deg.sequence_parallel else 1))
@@ -219,7 +220,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         )
         kept = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute=mode,
-            flash_attention=fused, cp=c, act_bytes=act, float8=training.precision == "fp8",
+            flash_attention=fused, cp=c, act_bytes=act, float8=float8,
         )
         traffic = 0.0
         for name, (per_token, kind) in model.elementwise_bytes_per_token(i, elementwise_bytes).items():
@@ -276,7 +277,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
         elif mode == "selective":  # the attention core again
             backward_shapes += [*attn_core, *attn_scores]
         elif mode == "op":  # per-op SAC: the linears not saved and every memory-bound kernel
-            redo = model.op_sac_recomputed_linears(i, float8=training.precision == "fp8")
+            redo = model.op_sac_recomputed_linears(i, float8=float8)
             backward_shapes += [*_gemms(redo["attention"], local, t), *_gemms(redo["router"], sp_tokens, 1),
                                 *_gemms(redo["mlp"], local, t), *experts, *attn_scores]
             backward_traffic += traffic

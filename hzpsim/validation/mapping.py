@@ -126,7 +126,7 @@ def map_recompute(text: str, system: str = "") -> tuple[str, list[str]]:
     Megatron-LM, NeMo, torchtitan and DeepSpeed when no checkpointing flag is given. MFU on the
     PaLM basis does not depend on it; predicted time does. torchtitan's selective mode is
     per-op selective checkpointing (``selective_ac_option = "op"``, the default of its Llama
-    configs, ``train_configs/llama3_8b.toml``) -> ``op``, unless the row names a layer period."""
+    configs, ``train_configs/llama3_8b.toml``) -> ``op``."""
     t = text.lower()
     for mode in ("full", "selective", "none"):
         if t.startswith(mode):

@@ -63,7 +63,7 @@ _PROFILE_CLUSTER_KEYS = ("intra_node_bytes_per_s", "inter_node_bytes_per_s_per_d
 _PROFILE_DEVICE_KEYS = ("peak_fp32_flops_per_s", "peak_bf16_flops_per_s", "peak_fp16_flops_per_s",
                         "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s",
                         "fsdp2_call_host_s", "dtensor_op_host_s", "collective_hop_delay_s",
-                        "asynchzp_op_host_s")
+                        "asynchzp_op_host_s", "node_cpu_cores")
 
 
 def load_profile(path: str | None) -> dict[str, Any]:
@@ -143,16 +143,19 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
     scenario = scenario_from_mapping(data, source=str(raw.get("name", "<executor>")))
     device = profile.get("device", {})
     changes: dict[str, Any] = {k: float(device[k]) for k in _PROFILE_DEVICE_KEYS if k in device}
-    if device.get("collective_costs"):
-        from hzpsim.cluster.devices import collective_cost_table
+    for key in ("collective_costs", "collective_cpu_costs"):
+        if device.get(key):
+            from hzpsim.cluster.devices import collective_cost_table
 
-        changes["collective_costs"] = collective_cost_table(device["collective_costs"])
+            changes[key] = collective_cost_table(device[key])
     gemm = profile.get("measurements", {}).get("gemm")
     if gemm:
-        # the GEMMs this model runs are small: their rate, read off the measured sweep
+        # the GEMMs this model runs are small: their rate, read off the measured sweep (alone on
+        # a core for a device with a CPU pool, else in wall time while every rank works)
         from hzpsim.executor.calibrate import effective_gemm_rate
 
-        rate = effective_gemm_rate(gemm, gemm_shapes(scenario))
+        basis = "cpu_flops_per_s" if "node_cpu_cores" in changes and "cpu_flops_per_s" in gemm[0] else "flops_per_s"
+        rate = effective_gemm_rate(gemm, gemm_shapes(scenario), basis)
         changes.update(peak_fp32_flops_per_s=rate, peak_bf16_flops_per_s=rate, peak_fp16_flops_per_s=rate)
     topology = scenario.topology
     if comm_delay_s:
@@ -299,10 +302,14 @@ def compare(scenario: Scenario, world: int, *, num_steps: int = 6, comm_delay_s:
 
 
 def at_load(device, factor: float):
-    """``device`` when every CPU cost takes ``factor`` times as long: the ranks get 1/factor of
-    the cores they had when it was calibrated (the ratio of the two sharing factors). On a CPU
-    all of it is CPU work: kernels, host dispatch, the frameworks' Python, and gloo's copies,
-    TCP loopback and wake-ups."""
+    """``device`` when the ranks get 1/``factor`` of the cores they had when it was calibrated
+    (the ratio of the run's and the calibration's sharing factors). With a CPU pool that is a
+    pool of 1/``factor`` the cores (every cost stays a CPU cost alone on a core); without one,
+    every CPU cost takes ``factor`` times as long: on a CPU all of it is CPU work (kernels, host
+    dispatch, the frameworks' Python, and gloo's copies, TCP loopback and wake-ups)."""
+    if device.node_cpu_cores:
+        return dataclasses.replace(device, node_cpu_cores=device.node_cpu_cores / factor)
+
     def times(value):
         return value * factor if value is not None else None
 

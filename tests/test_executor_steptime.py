@@ -179,19 +179,31 @@ def test_the_hop_delay_adds_to_every_measured_collective():
 
 
 def test_build_profile_carries_the_measured_mechanisms():
-    collectives = [{"kind": k, "group_size": 2, "size_bytes": s, "time_s": 1e-3 + 1e-9 * s}
-                   for k in ("all_gather", "reduce_scatter") for s in (4096, 1 << 20)]
-    rank = {"gemm": [{"m": 64, "k": 64, "n": 64, "flops_per_s": 1e10}], "memory": [{"elements": 1, "bytes_per_s": 1e9}],
-            "collectives": collectives, "call_issue_s": {2: 1e-4}, "autograd_op_s": 1e-6, "eager_op_s": 2e-5,
+    """Two ranks at sharing factor 2 (1 core between them): the device gets the CPU costs alone
+    on a core (thread CPU, not wall), a pool of 1/2 + 1/2 = 1 core, each collective's CPU per
+    member less the issue's, and the wait left of its back-to-back time: the sweep ran both
+    members' CPU work on that one core, i.e. at 2x its CPU seconds."""
+    sizes = (4096, 1 << 20)
+    collectives = [{"kind": k, "group_size": 2, "size_bytes": s, "time_s": 3e-3 + 3e-9 * s,
+                    "cpu_s": 1e-4 + 5e-4 + 1e-9 * s} for k in ("all_gather", "reduce_scatter") for s in sizes]
+    rank = {"gemm": [{"m": 64, "k": 64, "n": 64, "flops_per_s": 1e10, "cpu_flops_per_s": 2e10}],
+            "memory": [{"elements": 1, "bytes_per_s": 1e9, "cpu_bytes_per_s": 2e9}],
+            "collectives": collectives, "call_issue_s": {2: 2e-4}, "call_issue_cpu_s": {2: 1e-4},
+            "autograd_op_s": 1e-6, "eager_op_s": 2e-5, "eager_op_cpu_s": 1e-5,
             "eager_ops_per_step": 491, "kernel_launch_s": 1e-6, "host_cost_per_call_s": 1e-3, "sharing_factor": 2.0,
-            "framework": {"fsdp2_call_s": 2e-3, "dtensor_op_s": 2e-4},
+            "framework": {"fsdp2_call_s": 2e-3, "dtensor_op_s": 2e-4, "fsdp2_call_cpu_s": 1e-3, "dtensor_op_cpu_s": 1e-4},
             "in_step_marks": [{"kind": c["kind"], "group_size": 2, "size_bytes": c["size_bytes"], "marks": []}
                               for c in collectives]}
     profile = build_profile([rank, rank], 2)
     device = profile["device"]
-    assert device["fsdp2_call_host_s"] == pytest.approx(2e-3) and device["dtensor_op_host_s"] == pytest.approx(2e-4)
+    assert device["node_cpu_cores"] == pytest.approx(1.0)
+    assert device["peak_fp32_flops_per_s"] == pytest.approx(2e10) and device["memory_bytes_per_s"] == pytest.approx(2e9)
+    assert device["kernel_launch_s"] == pytest.approx(1e-5) and device["collective_call_s"] == pytest.approx(1e-4)
+    assert device["fsdp2_call_host_s"] == pytest.approx(1e-3) and device["dtensor_op_host_s"] == pytest.approx(1e-4)
     assert [r[:2] for r in device["collective_costs"]] == [["all_gather", 2], ["reduce_scatter", 2]]
-    assert device["collective_costs"][0][2] == pytest.approx(1e-3)
+    assert device["collective_cpu_costs"][0][2:] == pytest.approx([5e-4, 1e-9])
+    assert device["collective_costs"][0][2:] == pytest.approx([3e-3 - 2 * 5e-4, 3e-9 - 2 * 1e-9])
+    assert profile["measurements"]["at_calibration_load"]["collective_costs"][0][2:] == pytest.approx([3e-3, 3e-9])
 
 
 def test_at_load_scales_every_cpu_cost_and_the_prediction():
@@ -213,3 +225,101 @@ def test_at_load_scales_every_cpu_cost_and_the_prediction():
     base = predicted_report(scenario, scenario.strategies[0])["step_time_s"]
     scenario.topology.device = at_load(scenario.topology.device, 1.5)
     assert predicted_report(scenario, scenario.strategies[0])["step_time_s"] == pytest.approx(1.5 * base, rel=0.02)
+
+
+# ---------------------------------------------------------------------------- the CPU pool
+
+
+def _pool_topology(cores, world=4, cpu_costs=()):
+    """A local-cpu node of ``world`` ranks sharing ``cores`` (Device.node_cpu_cores), at unit
+    rates so that a GEMM of ``peak`` FLOPs is one CPU second alone on a core."""
+    topology = build_topology(ClusterSpec(preset="local-cpu", gpus_per_node=world, variability=0.0))
+    topology.device = dataclasses.replace(topology.device, node_cpu_cores=cores, collective_costs=COSTS,
+                                          collective_cpu_costs=cpu_costs)
+    return topology
+
+
+def _unit():
+    from hzpsim.sim.compute import Efficiency
+
+    return Efficiency(gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="test: peak rates")
+
+
+def _second(topology) -> dict[str, float]:
+    return {"gemm": topology.device.peak_fp32_flops_per_s}
+
+
+def test_the_pool_shares_a_nodes_cores_among_the_ranks_that_work():
+    """Processor sharing, by hand: 4 ranks on 2 cores each start 1 CPU-second of work; ranks 0
+    and 1 then have 1 s more. All four run at 2/4 until the first seconds end at 2 s; then two
+    ranks have the 2 cores to themselves and end 1 s later, at 3 s (not at 4 s, as a fixed
+    share of 1/2 a core would have it: a rank that waits leaves its share to the others)."""
+    from hzpsim.ops import OpGraph
+    from hzpsim.sim.engine import simulate
+
+    topology = _pool_topology(2.0)
+    graph = OpGraph(4, {0: 1, 1: 1, 2: 1, 3: 1}, "fp32")
+    first = [graph.compute(r, f"a{r}", "forward", _second(topology)) for r in range(4)]
+    second = [graph.compute(r, f"b{r}", "forward", _second(topology), deps=[first[r]]) for r in (0, 1)]
+    trace = simulate(graph, topology, _unit())
+    assert [trace.end_s[op] for op in first] == pytest.approx([2.0] * 4)
+    assert [trace.end_s[op] for op in second] == pytest.approx([3.0, 3.0])
+
+
+def test_the_pool_counts_a_simulated_rank_for_the_ranks_it_stands_for():
+    """One simulated rank standing for 4 (a symmetric graph) demands 4 cores: on 2 cores its
+    1 CPU-second takes 2 s, as when the 4 ranks are simulated one by one."""
+    from hzpsim.ops import OpGraph
+    from hzpsim.sim.engine import simulate
+
+    topology = _pool_topology(2.0)
+    graph = OpGraph(4, {0: 4}, "fp32")
+    op = graph.compute(0, "a", "forward", _second(topology))
+    assert simulate(graph, topology, _unit()).end_s[op] == pytest.approx(2.0)
+    # more cores than work: alone speed (rate capped at 1)
+    assert simulate(graph, _pool_topology(8.0), _unit()).end_s[op] == pytest.approx(1.0)
+
+
+def test_a_collectives_cpu_work_competes_with_the_ranks_compute():
+    """Two ranks on 1 core; each starts 1 CPU-second of compute and a 2-rank all-gather whose
+    measured wait is 1 ms + 0.8 ns/B and CPU work 0.5 s per member. The wait (no core) runs
+    first, beside the compute at demand 2 -> rate 1/2; then the collective's CPU work joins:
+    demand 4 -> rate 1/4 until the CPU work ends; then the rest of the compute at 1/2."""
+    from hzpsim.ops import OpGraph
+    from hzpsim.sim.engine import simulate
+
+    topology = _pool_topology(1.0, world=2, cpu_costs=(("all_gather", 2, 0.5, 0.0),))
+    graph = OpGraph(2, {0: 1, 1: 1}, "fp32")
+    group = graph.add_group("pair", [0, 1])
+    size = 1e6
+    ag = graph.collective("all_gather", group, [0, 1], size, "ag", "gather", "comm")
+    work = [graph.compute(r, f"w{r}", "forward", _second(topology)) for r in (0, 1)]
+    trace = simulate(graph, topology, _unit())
+    wait = 1e-3 + 8e-10 * size  # COSTS: the 2-rank all-gather row
+    cpu_end = wait + 0.5 * 4
+    assert trace.end_s[ag] == pytest.approx(cpu_end)
+    assert trace.end_s[work[0]] == pytest.approx(cpu_end + (1.0 - wait / 2 - 0.5) * 2)
+    assert trace.end_s[work[1]] == pytest.approx(trace.end_s[work[0]])
+
+
+def test_a_pooled_device_charges_the_cpu_work_instead_of_the_hop_delay():
+    topology = _pool_topology(2.0, cpu_costs=(("reduce_scatter", 4, 1e-3, 2e-9),))
+    topology.device = dataclasses.replace(topology.device, collective_hop_delay_s=1e-3)
+    plan = CollectiveModel(topology).plan("reduce_scatter", 1e6, topology.span([0, 1, 2, 3]))
+    assert plan.latency_s == pytest.approx(5e-3)  # the measured wait, no hops
+    assert plan.cpu_s == pytest.approx(1e-3 + 2e-9 * 1e6)
+    assert plan.isolated_time_s == pytest.approx(5e-3 + 4e-9 * 1e6 + plan.cpu_s)
+    assert plan.repeated(3).cpu_s == pytest.approx(3 * plan.cpu_s)
+    assert plan.stretched(2.0).cpu_s == pytest.approx(plan.cpu_s)
+
+
+def test_at_load_shrinks_the_pool_and_keeps_the_cpu_costs():
+    """With a CPU pool the costs are CPU seconds alone on a core: a run at 1.5x the
+    calibration's sharing factor has 1/1.5 of the cores, and nothing else changes."""
+    from hzpsim.validate_executor import at_load
+
+    device = dataclasses.replace(get_device("cpu-local"), kernel_launch_s=1e-5, node_cpu_cores=1.9,
+                                 collective_costs=COSTS, collective_cpu_costs=COSTS)
+    slow = at_load(device, 1.5)
+    assert slow.node_cpu_cores == pytest.approx(1.9 / 1.5)
+    assert dataclasses.replace(slow, node_cpu_cores=1.9) == device

@@ -77,8 +77,21 @@ class Device:
     dtensor_op_host_s: float | None = None
     asynchzp_op_host_s: float | None = None  # hzpsim's AsyncHZP executor's Python per op (its hooks and threads)
     # what each hop of such a collective waits inside a step for its receiving thread to get a
-    # core back from ranks that compute (measured: in-step minus back-to-back, per hop)
+    # core back from ranks that compute (measured: in-step minus back-to-back, per hop; not
+    # charged on a device with a CPU pool, whose sharing of the cores it stood in for)
     collective_hop_delay_s: float | None = None
+    # the CPU pool (`hzpsim calibrate machine`; None = none: every rank runs at its own
+    # calibrated rate): the cores one node's ranks share, measured as the CPU seconds all ranks
+    # spend per second of wall while every rank works (world / sharing factor; fewer while other
+    # jobs run). With it the device's compute and host costs are CPU seconds of one rank alone
+    # on a core, every op that needs a core (a rank's compute and host ops, its backend's copies
+    # of a collective) progresses at min(1, cores / ops needing one on the node), and
+    # ``collective_costs`` is the part of a call that waits without using a core
+    node_cpu_cores: float | None = None
+    # per collective kind and group size, (kind, group_size, cpu_s, cpu_s_per_byte): the CPU
+    # seconds each member's backend threads spend per call (gloo's copies, reductions and TCP
+    # loopback), measured with the calls back to back; charged through the CPU pool
+    collective_cpu_costs: tuple[tuple[str, int, float, float], ...] = ()
 
     @property
     def memory_label_gb(self) -> float:
@@ -289,12 +302,13 @@ def get_device(name: str, overrides: tuple[tuple[str, Any], ...] = ()) -> Device
 CALIBRATED_FIELDS = ("peak_bf16_flops_per_s", "peak_fp16_flops_per_s", "peak_fp32_flops_per_s",
                      "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s",
                      "fsdp2_call_host_s", "dtensor_op_host_s", "collective_hop_delay_s",
-                     "asynchzp_op_host_s")
+                     "asynchzp_op_host_s", "node_cpu_cores")
 
 
 def collective_cost_table(rows) -> tuple[tuple[str, int, float, float], ...]:
-    """``collective_costs`` of a calibration profile ([[kind, group size, latency s, s per
-    byte], ...]) as the Device field; ValueError on a malformed row."""
+    """``collective_costs`` (or ``collective_cpu_costs``) of a calibration profile ([[kind,
+    group size, seconds, seconds per byte], ...]) as the Device field; ValueError on a
+    malformed row."""
     table = []
     for row in rows or ():
         kind, group, latency, per_byte = row
@@ -318,6 +332,7 @@ def calibration_overrides(name: str) -> tuple[tuple[str, Any], ...]:
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     values: list[tuple[str, Any]] = [(k, float(v)) for k, v in sorted(data.items())
                                      if k in CALIBRATED_FIELDS and isinstance(v, int | float) and v > 0]
-    if data.get("collective_costs"):
-        values.append(("collective_costs", collective_cost_table(data["collective_costs"])))
+    for key in ("collective_costs", "collective_cpu_costs"):
+        if data.get(key):
+            values.append((key, collective_cost_table(data[key])))
     return tuple(values)

@@ -62,21 +62,23 @@ KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv"
 NCCL_SIMPLE_BASE_S = 8.4e-6  # the simulator adds NCCL's ring/Simple base latency to every collective
 
 
-def _timed(fn, min_time_s: float, min_reps: int = 3, reps: int | None = None) -> float:
-    """Mean seconds per call of ``fn`` (two warm-up calls excluded): ``reps`` calls exactly
+def _timed(fn, min_time_s: float, min_reps: int = 3, reps: int | None = None) -> tuple[float, float]:
+    """(mean wall seconds, mean CPU seconds of the whole process: every thread, the backend's
+    included) per call of ``fn`` (two warm-up calls excluded): ``reps`` calls exactly
     (collectives: every rank must make the same number), else until ``min_time_s`` has passed.
     The mean, not the median: with more processes than cores a process is descheduled now and
     then, and the median of short calls would hide that (training pays it)."""
     fn()
     fn()
     count = 0
+    cpu = time.process_time()
     start = time.perf_counter()
     while (count < reps) if reps is not None else (count < min_reps or time.perf_counter() - start < min_time_s):
         fn()
         count += 1
         if count >= 20000:
             break
-    return (time.perf_counter() - start) / count
+    return (time.perf_counter() - start) / count, (time.process_time() - cpu) / count
 
 
 def _window(fn, window_s: float) -> tuple[float, float]:
@@ -148,14 +150,15 @@ def bench(out_dir: str, quick: bool) -> None:
     for m, k, n in shapes:
         a, b = torch.randn(m, k), torch.randn(k, n)
         dist.barrier()
-        t, _ = _window(lambda a=a, b=b: torch.mm(a, b), min_time / 3 if len(shapes) > 20 else min_time)
-        out["gemm"].append({"m": m, "k": k, "n": n, "flops_per_s": 2.0 * m * k * n / t})
+        t, cpu = _window(lambda a=a, b=b: torch.mm(a, b), min_time / 3 if len(shapes) > 20 else min_time)
+        out["gemm"].append({"m": m, "k": k, "n": n, "flops_per_s": 2.0 * m * k * n / t,
+                            "cpu_flops_per_s": 2.0 * m * k * n / cpu})
         progress(f"gemm {m}x{k}x{n}")
     for count in elements:
         x, y, z = torch.randn(count), torch.randn(count), torch.empty(count)
         dist.barrier()
-        t, _ = _window(lambda x=x, y=y, z=z: torch.add(x, y, out=z), min_time)
-        out["memory"].append({"elements": count, "bytes_per_s": 3 * 4 * count / t})
+        t, cpu = _window(lambda x=x, y=y, z=z: torch.add(x, y, out=z), min_time)
+        out["memory"].append({"elements": count, "bytes_per_s": 3 * 4 * count / t, "cpu_bytes_per_s": 3 * 4 * count / cpu})
         progress(f"memory {count}")
     one = torch.ones(1)
     dist.barrier()
@@ -170,6 +173,7 @@ def bench(out_dir: str, quick: bool) -> None:
     probe = _EagerProbe(EAGER_PROBE_MODEL)
     wall, cpu = _window(probe.step, SHARING_WINDOW_S if not quick else min_time)
     out["eager_op_s"], out["eager_ops_per_step"] = wall / probe.ops, probe.ops
+    out["eager_op_cpu_s"] = cpu / probe.ops  # the same op alone on a core (the CPU pool's unit)
     # how much longer a rank's CPU work takes in wall time while every rank works: the
     # processes share the cores (4 on 2 here, plus whatever else runs on the machine)
     out["sharing_factor"] = wall / cpu if cpu > 0 else 1.0
@@ -188,10 +192,11 @@ def bench(out_dir: str, quick: bool) -> None:
                 elements_full = max(size // 4, g)
                 elements_full -= elements_full % g
                 dist.barrier()
-                t = -1.0
+                t, cpu = -1.0, -1.0
                 if mine is not None:
-                    t = _time_collective(kind, elements_full, g, rank % g, mine, min_time)
-                out["collectives"].append({"kind": kind, "group_size": g, "size_bytes": elements_full * 4, "time_s": t})
+                    t, cpu = _time_collective(kind, elements_full, g, rank % g, mine, min_time)
+                out["collectives"].append({"kind": kind, "group_size": g, "size_bytes": elements_full * 4, "time_s": t,
+                                           "cpu_s": cpu})
                 progress(f"{kind} {g} ranks {size} B")
                 dist.barrier()
                 marks: list[tuple[int, int]] = []
@@ -202,11 +207,13 @@ def bench(out_dir: str, quick: bool) -> None:
                                                             "size_bytes": elements_full * 4, "marks": marks})
                 progress(f"{kind} {g} ranks {size} B, in step")
         dist.barrier()
-        out.setdefault("call_issue_s", {})[g] = _issue_time(mine, 20 if min_time < 0.1 else 100) if mine is not None else -1.0
+        wall, cpu = _issue_time(mine, 20 if min_time < 0.1 else 100) if mine is not None else (-1.0, -1.0)
+        out.setdefault("call_issue_s", {})[g] = wall
+        out.setdefault("call_issue_cpu_s", {})[g] = cpu
         progress(f"call issue {g} ranks")
     dist.barrier()
     tiny = torch.ones(1)
-    out["host_cost_per_call_s"] = _timed(lambda: dist.all_reduce(tiny), min_time, reps=50)
+    out["host_cost_per_call_s"], _ = _timed(lambda: dist.all_reduce(tiny), min_time, reps=50)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, out)
     if rank == 0:
@@ -304,9 +311,11 @@ def _framework_host(world: int, rank: int, sharing: float, calls: int) -> dict[s
       the layout conversions), less the issue of its collectives. The simulator charges it
       per dispatched op of a tensor-parallel implementation.
 
-    CPU seconds, times ``sharing`` (wall / CPU of the plain probe while every rank runs it:
-    what a rank's host work takes in wall time while all ranks work), are wall seconds.
-    Waiting for the pair's collectives costs no CPU, so the tiny messages' latency is left out."""
+    Each as CPU seconds of a rank alone on a core (``*_cpu_s``: what the simulator's CPU pool
+    charges) and, times ``sharing`` (wall / CPU of the plain probe while every rank runs it),
+    as the wall seconds a rank's host work takes while all ranks work (the device fields of a
+    profile without a CPU pool). Waiting for the pair's collectives costs no CPU, so the tiny
+    messages' latency is left out."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -339,7 +348,7 @@ def _framework_host(world: int, rank: int, sharing: float, calls: int) -> dict[s
         _tensor_parallel(net.units(), mesh)
 
     asynchzp = _asynchzp_host(world, calls)  # every rank, before the pair-only probes
-    issue = _issue_time(group, 20)
+    issue, issue_cpu = _issue_time(group, 20)
     torch.manual_seed(0)
     plain_opt = _EagerProbe(FRAMEWORK_PROBE_MODEL, optimizer=True)
     plain = _EagerProbe(FRAMEWORK_PROBE_MODEL)
@@ -351,15 +360,17 @@ def _framework_host(world: int, rank: int, sharing: float, calls: int) -> dict[s
     result.update({f"{k}_step_cpu_s": v for k, v in cpu.items()})
     result.update(fsdp2_calls_per_step=fsdp_calls, tp_calls_per_step=tp_calls, ops_per_step=float(plain.ops),
                   pair_issue_s=issue)
-    result["fsdp2_call_s"] = max((cpu["fsdp2"] - cpu["plain_opt"]) * sharing / max(fsdp_calls, 1.0) - issue, 0.0)
-    result["dtensor_op_s"] = max((cpu["tp"] * sharing - tp_calls * issue) / plain.ops, 0.0)
+    for suffix, scale, per_call in (("_s", sharing, issue), ("_cpu_s", 1.0, issue_cpu)):
+        result["fsdp2_call" + suffix] = max((cpu["fsdp2"] - cpu["plain_opt"]) * scale / max(fsdp_calls, 1.0) - per_call, 0.0)
+        result["dtensor_op" + suffix] = max((cpu["tp"] * scale - tp_calls * per_call) / plain.ops, 0.0)
     # AsyncHZP: its step's Python (main thread and the ag / rs / dp threads, which share the GIL
     # and the core) without the optimizer's share, per dispatched op of the plain model
     if asynchzp["python_cpu_s"] > 0:
         result.update(asynchzp_step_python_cpu_s=asynchzp["python_cpu_s"], asynchzp_calls_per_step=asynchzp["calls"])
         optimizer = max(cpu["plain_opt"] - cpu["plain"], 0.0)
-        result["asynchzp_op_s"] = max(((asynchzp["python_cpu_s"] - optimizer) * sharing
-                                       - asynchzp["calls"] * issue) / plain.ops, 0.0)
+        for suffix, scale, per_call in (("_s", sharing, issue), ("_cpu_s", 1.0, issue_cpu)):
+            result["asynchzp_op" + suffix] = max(((asynchzp["python_cpu_s"] - optimizer) * scale
+                                                  - asynchzp["calls"] * per_call) / plain.ops, 0.0)
     return result
 
 
@@ -545,40 +556,46 @@ def fit_collectives(rows: list[dict[str, Any]]) -> list[list[Any]]:
     return fits
 
 
-def _issue_time(group, reps: int) -> float:
+def _issue_time(group, reps: int) -> tuple[float, float]:
     """Mean host time to ISSUE one collective (a 4-byte all_reduce with ``async_op=True``,
-    the wait not included): what the calling thread pays per call before it goes on."""
+    the wait not included): what the calling thread pays per call before it goes on, as (wall
+    seconds, CPU seconds of the calling thread)."""
     import torch
     import torch.distributed as dist
 
     tiny = torch.ones(1)
     for _ in range(3):
         dist.all_reduce(tiny, group=group, async_op=True).wait()
-    spent = 0.0
+    spent, spent_cpu = 0.0, 0.0
     for _ in range(reps):
+        cpu = time.thread_time()
         start = time.perf_counter()
         work = dist.all_reduce(tiny, group=group, async_op=True)
         spent += time.perf_counter() - start
+        spent_cpu += time.thread_time() - cpu
         work.wait()
-    return spent / reps
+    return spent / reps, spent_cpu / reps
 
 
-def effective_gemm_rate(gemm: list[dict[str, Any]], shapes: Sequence[tuple[float, float, float]]) -> float:
-    """FLOP/s of a set of GEMMs ``(m, k, n)`` (each counted once) at the measured rates: each
-    shape takes the rate of the nearest measured shape (log distance over m, k, n), and the
-    rate of the set is total FLOPs over total time (a FLOP-weighted harmonic mean)."""
+def effective_gemm_rate(gemm: list[dict[str, Any]], shapes: Sequence[tuple[float, float, float]],
+                        key: str = "flops_per_s") -> float:
+    """FLOP/s of a set of GEMMs ``(m, k, n)`` (each counted once) at the measured rates
+    (``key``: ``flops_per_s`` in wall time while every rank works, ``cpu_flops_per_s`` alone on
+    a core): each shape takes the rate of the nearest measured shape (log distance over m, k,
+    n), and the rate of the set is total FLOPs over total time (a FLOP-weighted harmonic mean)."""
     import math
 
     def rate(m: float, k: float, n: float) -> float:
         best = min(gemm, key=lambda r: sum(abs(math.log(x / r[d])) for x, d in ((m, "m"), (k, "k"), (n, "n"))))
-        return float(best["flops_per_s"])
+        return float(best[key])
 
     flops = sum(2.0 * m * k * n for m, k, n in shapes)
     seconds = sum(2.0 * m * k * n / rate(m, k, n) for m, k, n in shapes)
     return flops / seconds
 
 
-def _time_collective(kind: str, elements: int, g: int, index: int, group, min_time: float) -> float:
+def _time_collective(kind: str, elements: int, g: int, index: int, group, min_time: float) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process, every thread) per call, back to back."""
     import torch
     import torch.distributed as dist
 
@@ -639,39 +656,72 @@ def fit_fabric(rows: list[dict[str, Any]]) -> tuple[float, float]:
     return latency, 1.0 / inverse_bandwidth
 
 
+def _pool_split(time_fits: list[list[Any]], cpu_fits: list[list[Any]], slowdown: float) -> list[list[Any]]:
+    """The part of each collective that waits without a core: the back-to-back time's latency
+    and seconds per byte less the CPU work's, which took ``slowdown`` times its CPU seconds in
+    the sweep (every rank was in a call, so the pool ran them at cores / ranks); >= 0."""
+    cpu = {(k, g): (a, b) for k, g, a, b in cpu_fits}
+    out = []
+    for kind, g, latency, per_byte in time_fits:
+        a, b = cpu.get((kind, g), (0.0, 0.0))
+        out.append([kind, g, max(latency - a * slowdown, 0.0), max(per_byte - b * slowdown, 0.0)])
+    return out
+
+
 def build_profile(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
     """The profile from every rank's measurements (compute: mean over ranks; collectives: the
-    slowest rank of each group, i.e. when the call completes everywhere)."""
-    gemm = [{**row, "flops_per_s": statistics.mean(r["gemm"][i]["flops_per_s"] for r in per_rank)}
-            for i, row in enumerate(per_rank[0]["gemm"])]
-    memory = [{**row, "bytes_per_s": statistics.mean(r["memory"][i]["bytes_per_s"] for r in per_rank)}
-              for i, row in enumerate(per_rank[0]["memory"])]
-    collectives = [{**row, "time_s": max(r["collectives"][i]["time_s"] for r in per_rank)}
+    slowest rank of each group, i.e. when the call completes everywhere; CPU per call: the mean).
+
+    The device is written for the simulator's CPU pool (``Device.node_cpu_cores``): compute and
+    host costs are CPU seconds of a rank alone on a core (the benchmarks' thread CPU time, not
+    their wall time, which includes waiting for a core), the pool's size is the CPU seconds all
+    ranks spent per second of wall while every rank worked (world / sharing factor), each
+    collective's CPU work per member is ``collective_cpu_costs`` and what is left of its
+    back-to-back time, the wait, ``collective_costs``. The wall-time rates at the calibration's
+    load stay in ``measurements``."""
+    def mean_rows(key: str, fields: tuple[str, ...]) -> list[dict[str, Any]]:
+        return [{**row, **{f: statistics.mean(r[key][i][f] for r in per_rank) for f in fields}}
+                for i, row in enumerate(per_rank[0][key])]
+
+    gemm = mean_rows("gemm", ("flops_per_s", "cpu_flops_per_s"))
+    memory = mean_rows("memory", ("bytes_per_s", "cpu_bytes_per_s"))
+    collectives = [{**row, "time_s": max(r["collectives"][i]["time_s"] for r in per_rank),
+                    "cpu_s": statistics.mean(r["collectives"][i]["cpu_s"] for r in per_rank)}
                    for i, row in enumerate(per_rank[0]["collectives"])]
     latency, bandwidth = fit_fabric(collectives)
-    flops = statistics.median(g["flops_per_s"] for g in gemm)
-    mem = statistics.median(m["bytes_per_s"] for m in memory)
     issue = {int(g): max(r["call_issue_s"][g] for r in per_rank) for g in per_rank[0]["call_issue_s"]}
+    issue_cpu = {int(g): statistics.mean(r["call_issue_cpu_s"][g] for r in per_rank) for g in per_rank[0]["call_issue_cpu_s"]}
     autograd_op = statistics.mean(r["autograd_op_s"] for r in per_rank)
     eager_op = statistics.mean(r["eager_op_s"] for r in per_rank)
+    sharing = statistics.mean(r["sharing_factor"] for r in per_rank)
+    cores = sum(1.0 / r["sharing_factor"] for r in per_rank)
     in_step = in_step_times([r["in_step_marks"] for r in per_rank], world)
     framework = [r["framework"] for r in per_rank if r["framework"]["fsdp2_call_s"] >= 0]
+    call_cpu = max(issue_cpu.values())
     device: dict[str, Any] = {
-        "name": "cpu-local", "peak_fp32_flops_per_s": flops, "peak_bf16_flops_per_s": flops,
-        "peak_fp16_flops_per_s": flops, "memory_bytes_per_s": mem,
+        "name": "cpu-local",
+        "peak_fp32_flops_per_s": statistics.median(g["cpu_flops_per_s"] for g in gemm),
+        "memory_bytes_per_s": statistics.median(m["cpu_bytes_per_s"] for m in memory),
         # host costs: one ATen op of an eager training step, one collective issued
-        "kernel_launch_s": eager_op, "collective_call_s": max(issue.values())}
+        "kernel_launch_s": statistics.mean(r["eager_op_cpu_s"] for r in per_rank), "collective_call_s": call_cpu,
+        "node_cpu_cores": cores}
+    device["peak_bf16_flops_per_s"] = device["peak_fp16_flops_per_s"] = device["peak_fp32_flops_per_s"]
     if framework:
-        device["fsdp2_call_host_s"] = statistics.mean(f["fsdp2_call_s"] for f in framework)
-        device["dtensor_op_host_s"] = statistics.mean(f["dtensor_op_s"] for f in framework)
-        if all("asynchzp_op_s" in f for f in framework):
-            device["asynchzp_op_host_s"] = statistics.mean(f["asynchzp_op_s"] for f in framework)
-    # per kind and group size, from the back-to-back sweep: every member is in the call, as in
-    # the simulator's collective after its rendezvous (collectives_in_step, where the others
-    # compute around the call, is kept for comparison: see docs/executor.md)
-    device["collective_costs"] = fit_collectives(collectives)
+        device["fsdp2_call_host_s"] = statistics.mean(f["fsdp2_call_cpu_s"] for f in framework)
+        device["dtensor_op_host_s"] = statistics.mean(f["dtensor_op_cpu_s"] for f in framework)
+        if all("asynchzp_op_cpu_s" in f for f in framework):
+            device["asynchzp_op_host_s"] = statistics.mean(f["asynchzp_op_cpu_s"] for f in framework)
+    # per kind and group size, from the back-to-back sweep (every member in the call): the CPU
+    # its backend threads spend per member (less the issue, which the simulator charges the
+    # caller) and the wait that is left (collectives_in_step, where the others compute around
+    # the call, is kept for comparison: see docs/executor.md)
+    time_fits = fit_collectives(collectives)
+    cpu_fits = fit_collectives([{**row, "time_s": row["cpu_s"] - call_cpu} for row in collectives
+                                if row["cpu_s"] - call_cpu > 0])
+    device["collective_cpu_costs"] = cpu_fits
+    device["collective_costs"] = _pool_split(time_fits, cpu_fits, max(1.0, world / cores))
     if in_step:
-        device["collective_hop_delay_s"] = hop_delay(collectives, in_step)
+        device["collective_hop_delay_s"] = hop_delay(collectives, in_step)  # not charged with the pool
     return {
         "device": device,
         "cluster": {"intra_node_bytes_per_s": bandwidth, "inter_node_bytes_per_s_per_device": bandwidth,
@@ -682,7 +732,13 @@ def build_profile(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
                          "host_cost_per_call_s": max(r["host_cost_per_call_s"] for r in per_rank),
                          "autograd_op_s": autograd_op, "eager_op_s": eager_op,
                          "eager_ops_per_probe_step": per_rank[0]["eager_ops_per_step"], "call_issue_s": issue,
-                         "sharing_factor": statistics.mean(r["sharing_factor"] for r in per_rank),
+                         "call_issue_cpu_s": issue_cpu, "sharing_factor": sharing,
+                         # the wall-time costs while every rank works, at this load
+                         "at_calibration_load": {
+                             "peak_fp32_flops_per_s": statistics.median(g["flops_per_s"] for g in gemm),
+                             "memory_bytes_per_s": statistics.median(m["bytes_per_s"] for m in memory),
+                             "kernel_launch_s": eager_op, "collective_call_s": max(issue.values()),
+                             "collective_costs": time_fits},
                          "framework_host": framework,
                          "collectives": collectives, "collectives_in_step": in_step},
         "source": f"hzpsim calibrate machine --world {world} on {platform.node()} "

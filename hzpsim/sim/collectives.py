@@ -63,20 +63,26 @@ _TREE_PROTOCOL_BW = (1 / 3.8, 120 / 128, 1.0)
 
 @dataclass(frozen=True)
 class CollectivePlan:
-    """How one rank experiences a collective: a fixed latency, then bandwidth-bound bytes."""
+    """How one rank experiences a collective: a fixed latency, then bandwidth-bound bytes, then
+    (on a device with a CPU pool) the CPU work of its backend's threads."""
 
     algorithm: str
     protocol: str
     latency_s: float
     bytes_by_level: dict[str, float]  # bytes this rank sends across each level (reported)
     demand_by_level: dict[str, float]  # bytes / protocol efficiency: what occupies the link
-    isolated_time_s: float  # latency + bandwidth time with no other traffic
+    isolated_time_s: float  # latency + bandwidth time (+ cpu_s) with no other traffic
+    # CPU seconds each member's backend threads spend on the call (Device.collective_cpu_costs),
+    # run through the node's CPU pool by the engine (Device.node_cpu_cores); 0 elsewhere
+    cpu_s: float = 0.0
 
     def stretched(self, factor: float) -> CollectivePlan:
-        """The same bytes, taking ``factor`` times as long (waiting for the slowest transfer)."""
+        """The same bytes, taking ``factor`` times as long (waiting for the slowest transfer;
+        the CPU work stays what it is)."""
         return CollectivePlan(
             self.algorithm, self.protocol, self.latency_s * factor, dict(self.bytes_by_level),
-            {k: v * factor for k, v in self.demand_by_level.items()}, self.isolated_time_s * factor,
+            {k: v * factor for k, v in self.demand_by_level.items()},
+            (self.isolated_time_s - self.cpu_s) * factor + self.cpu_s, self.cpu_s,
         )
 
     def repeated(self, count: int) -> CollectivePlan:
@@ -85,7 +91,7 @@ class CollectivePlan:
             self.algorithm, self.protocol, self.latency_s * count,
             {k: v * count for k, v in self.bytes_by_level.items()},
             {k: v * count for k, v in self.demand_by_level.items()},
-            self.isolated_time_s * count,
+            self.isolated_time_s * count, self.cpu_s * count,
         )
 
 
@@ -154,7 +160,7 @@ class CollectiveModel:
         demand = {lvl: b / factor if lvl in INTER_NODE_LEVELS else b for lvl, b in plan.demand_by_level.items()}
         bw_time = max((b / self.bandwidth(lvl) for lvl, b in demand.items()), default=0.0)
         return CollectivePlan(plan.algorithm, plan.protocol, plan.latency_s, dict(plan.bytes_by_level), demand,
-                              plan.latency_s + bw_time)
+                              plan.latency_s + bw_time + plan.cpu_s, plan.cpu_s)
 
     # ------------------------------------------------------------------ internals
 
@@ -200,10 +206,11 @@ class CollectiveModel:
         assert best is not None
         return best
 
-    def _measured(self, kind: str, group_size: int) -> tuple[float, float] | None:
-        """(latency s, seconds per byte) the device's calibration measured for ``kind`` at the
-        nearest measured group size (log distance), or None."""
-        rows = [r for r in self.topology.device.collective_costs if r[0] == kind]
+    def _measured(self, table: tuple[tuple[str, int, float, float], ...], kind: str,
+                  group_size: int) -> tuple[float, float] | None:
+        """(seconds, seconds per byte) that a calibration ``table`` of the device holds for
+        ``kind`` at the nearest measured group size (log distance), or None."""
+        rows = [r for r in table if r[0] == kind]
         if not rows:
             return None
         row = min(rows, key=lambda r: (abs(math.log(r[1] / max(group_size, 1))), -r[1]))
@@ -211,16 +218,23 @@ class CollectiveModel:
 
     def _plan_uncached(self, kind: str, size: float, span: GroupSpan, pair_level: str | None) -> CollectivePlan:
         plan = self._nccl_plan(kind, size, span, pair_level)
-        measured = self._measured(kind, 2 if kind == "send_recv" else span.num_ranks)
+        device = self.topology.device
+        group_size = 2 if kind == "send_recv" else span.num_ranks
+        measured = self._measured(device.collective_costs, kind, group_size)
         if measured is None or not plan.bytes_by_level:
             return plan
         latency_s, per_byte_s = measured
-        latency_s += gloo_hops(kind, span.num_ranks) * (self.topology.device.collective_hop_delay_s or 0.0)
+        cpu_s = 0.0
+        if device.node_cpu_cores is None:  # the hop delay stands in for the cores' sharing
+            latency_s += gloo_hops(kind, span.num_ranks) * (device.collective_hop_delay_s or 0.0)
+        else:
+            cpu = self._measured(device.collective_cpu_costs, kind, group_size)
+            cpu_s = cpu[0] + cpu[1] * size if cpu else 0.0
         level = (pair_level or "island") if kind == "send_recv" else _outermost(span)
         seconds = per_byte_s * size
         return CollectivePlan("measured", "backend", latency_s, dict(plan.bytes_by_level),
                               {level: seconds * self.bandwidth(level)} if seconds > 0 else {},
-                              latency_s + seconds)
+                              latency_s + seconds + cpu_s, cpu_s)
 
     def _nccl_plan(self, kind: str, size: float, span: GroupSpan, pair_level: str | None) -> CollectivePlan:
         n = span.num_ranks

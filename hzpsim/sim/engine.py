@@ -54,13 +54,16 @@ class _Waiter:
 
 
 class _Running:
-    """A compute op in progress whose speed may change (see Engine._talk)."""
+    """Work in progress whose speed may change: a compute op slowed or paused while its rank
+    communicates (Engine._talk), or any work on a node's CPU pool (Engine._pool_start)."""
 
-    __slots__ = ("op", "remaining_s", "rate", "since_s", "done", "generation")
+    __slots__ = ("op", "remaining_s", "rate", "since_s", "done", "generation", "node", "demand")
 
-    def __init__(self, op: Op, remaining_s: float, rate: float, since_s: float, done: _Waiter) -> None:
+    def __init__(self, op: Op | None, remaining_s: float, rate: float, since_s: float, done: _Waiter) -> None:
         self.op, self.remaining_s, self.rate, self.since_s, self.done = op, remaining_s, rate, since_s, done
         self.generation = 0
+        self.node = -1
+        self.demand = 0.0
 
 
 @dataclass
@@ -104,8 +107,22 @@ class Engine:
         # A device whose collectives run on its compute cores (a CPU with gloo) gets no overlap:
         # every compute op of a rank, host dispatch included, pauses while one of its
         # collectives moves bytes (the collective's time was measured with the cores to itself)
-        self.shared_cores = topology.device.communication_uses_compute_cores
+        # A device with a CPU pool (Device.node_cpu_cores: a CPU node calibrated by `hzpsim
+        # calibrate machine`) shares its node's cores among every piece of work that needs one:
+        # each rank's compute and host ops and its collectives' CPU work (CollectivePlan.cpu_s)
+        # progress at min(1, cores / demand), demand being the work items running on the node,
+        # each simulated rank counting for the ranks it stands for (its weight, at most a node's
+        # devices). This is processor sharing, as Linux's fair scheduler shares cores among
+        # runnable threads (kernel/sched/fair.c); a rank that waits leaves its share to the others.
+        self.pool_cores = topology.device.node_cpu_cores
+        self.shared_cores = topology.device.communication_uses_compute_cores and not self.pool_cores
         self.contended = bool(self.slowdown) or self.shared_cores
+        if self.pool_cores:
+            per_node = topology.devices_per_node
+            self._node_of = {r: r // per_node for r in graph.weights}
+            self._pool_share = {r: float(min(w, per_node)) for r, w in graph.weights.items()}
+            self._pool_jobs: dict[int, list[_Running]] = {node: [] for node in set(self._node_of.values())}
+            self._pool_demand = dict.fromkeys(self._pool_jobs, 0.0)
         self._talking = dict.fromkeys(graph.weights, 0)  # collectives in flight per rank
         self._running: dict[int, list[_Running]] = {r: [] for r in graph.weights}
         self.num_finished = 0
@@ -164,6 +181,7 @@ class Engine:
         straggler, stragglers = self._straggler, self.stragglers
         slowable = bool(self.slowdown)
         shared = self.shared_cores
+        pooled = bool(self.pool_cores)
         previous_end_s = 0.0
         for op in ops:
             for d in op.deps:
@@ -183,7 +201,9 @@ class Engine:
                 start = start_s[op.id] = env._now
                 if op.alloc:
                     self._memory(op, op.alloc, 1.0)
-                if (slowable and device) or shared:  # GPU: host time is not slowed
+                if pooled:
+                    yield self._pool_start(op.ranks[0], self._duration_s(op, device), _Waiter())
+                elif (slowable and device) or shared:  # GPU: host time is not slowed
                     yield self._start_slowable(op, device)
                 else:
                     yield call_after(env, self._duration_s(op, device))
@@ -240,8 +260,45 @@ class Engine:
     def _job_timer(self, job: _Running, generation: int) -> None:
         if generation != job.generation:
             return
+        assert job.op is not None  # a rank's slowable compute op (pool jobs time out in _pool_timer)
         self._running[job.op.ranks[0]].remove(job)
         self._trigger(job.done)
+
+    # ------------------------------------------------------------------ CPU pool
+
+    def _pool_start(self, rank: int, seconds: float, done: _Waiter) -> _Waiter:
+        """Run ``seconds`` of CPU work (alone on a core) for ``rank`` on its node's pool;
+        ``done`` is triggered when it is finished."""
+        node = self._node_of[rank]
+        job = _Running(None, seconds, 0.0, self.env._now, done)
+        job.node, job.demand = node, self._pool_share[rank]
+        self._pool_jobs[node].append(job)
+        self._pool_demand[node] += job.demand
+        self._pool_rerate(node)
+        return done
+
+    def _pool_timer(self, job: _Running, generation: int) -> None:
+        if generation != job.generation:
+            return
+        self._pool_jobs[job.node].remove(job)
+        self._pool_demand[job.node] -= job.demand
+        self._trigger(job.done)
+        self._pool_rerate(job.node)
+
+    def _pool_rerate(self, node: int) -> None:
+        """The node's demand changed: every job on it progresses at min(1, cores / demand)."""
+        now = self.env._now
+        demand = self._pool_demand[node]
+        rate = min(1.0, self.pool_cores / demand) if demand > 0 else 1.0  # type: ignore[operator]
+        for job in self._pool_jobs[node]:
+            if job.rate == rate:
+                continue
+            job.remaining_s -= (now - job.since_s) * job.rate
+            job.rate, job.since_s = rate, now
+            job.generation += 1
+            generation = job.generation
+            call_after(self.env, max(job.remaining_s / rate, 0.0),
+                       lambda _event, job=job, generation=generation: self._pool_timer(job, generation))
 
     def _talk(self, op: Op, delta: int) -> None:
         """A collective starts (+1) or ends (-1) on its ranks: re-time their running compute."""
@@ -320,19 +377,19 @@ class Engine:
 
     def _transfer(self, op: Op, plan: CollectivePlan) -> None:
         if not plan.demand_by_level:
-            self._finish(op)
+            self._moved(op, plan)
             return
         senders = op.senders
         if len(senders) == 1:
             def one_finished() -> None:
-                self._finish(op)
+                self._moved(op, plan)
         else:
             pending = [len(senders)]
 
             def one_finished() -> None:
                 pending[0] -= 1
                 if pending[0] == 0:
-                    self._finish(op)
+                    self._moved(op, plan)
 
         flows = self._flows
         for rank in senders:
@@ -347,6 +404,24 @@ class Engine:
                 one_finished()
             else:
                 self.networks[rank].transfer({}, one_finished, template)
+
+    def _moved(self, op: Op, plan: CollectivePlan) -> None:
+        """The collective's bytes have moved; on a CPU pool its members' backend threads still
+        do the call's CPU work (copies, reductions, TCP loopback) before it completes."""
+        if not (self.pool_cores and plan.cpu_s > 0):
+            self._finish(op)
+            return
+        pending = [len(op.ranks)]
+
+        def one_done(_event: Any) -> None:
+            pending[0] -= 1
+            if pending[0] == 0:
+                self._finish(op)
+
+        for rank in op.ranks:
+            done = _Waiter()
+            done.callbacks.append(one_done)
+            self._pool_start(rank, plan.cpu_s, done)
 
     # ------------------------------------------------------------------ run
 

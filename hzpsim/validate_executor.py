@@ -158,7 +158,12 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
         rate = effective_gemm_rate(gemm, gemm_shapes(scenario), basis)
         changes.update(peak_fp32_flops_per_s=rate, peak_bf16_flops_per_s=rate, peak_fp16_flops_per_s=rate)
     topology = scenario.topology
-    if comm_delay_s:
+    if comm_delay_s and "node_cpu_cores" in changes:
+        # with a CPU pool a host op is CPU work, and a sleep is not: the delay joins each call's
+        # wait instead (paid by the call, not by the thread that issues it)
+        table = changes.get("collective_costs", topology.device.collective_costs)
+        changes["collective_costs"] = tuple((k, g, latency + comm_delay_s, b) for k, g, latency, b in table)
+    elif comm_delay_s:
         # the executor sleeps in the thread that issues each collective: a per-call host cost
         call_s = changes.get("collective_call_s", topology.device.collective_call_s) or 0.0
         changes["collective_call_s"] = call_s + comm_delay_s

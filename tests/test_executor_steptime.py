@@ -323,3 +323,17 @@ def test_at_load_shrinks_the_pool_and_keeps_the_cpu_costs():
     slow = at_load(device, 1.5)
     assert slow.node_cpu_cores == pytest.approx(1.9 / 1.5)
     assert dataclasses.replace(slow, node_cpu_cores=1.9) == device
+
+
+def test_the_artificial_delay_is_a_wait_on_a_pooled_device_and_host_time_otherwise():
+    """``--comm-delay``: the executor sleeps before each call. A sleep uses no core, so with a
+    CPU pool it joins each call's wait; without one it stays a per-call host cost."""
+    rows = [list(c) for c in COSTS]
+    pooled = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(node_cpu_cores=1.9, collective_costs=rows),
+                                comm_delay_s=0.02, filters=["zero3"]).topology.device
+    assert pooled.collective_call_s == pytest.approx(1e-4)
+    assert [c[2] for c in pooled.collective_costs] == pytest.approx([c[2] + 0.02 for c in COSTS])
+    plain = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(collective_costs=rows), comm_delay_s=0.02,
+                               filters=["zero3"]).topology.device
+    assert plain.collective_call_s == pytest.approx(1e-4 + 0.02)
+    assert plain.collective_costs == COSTS

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from hzpsim.cluster.placement import Placement
@@ -111,6 +112,11 @@ class MPUnit:
     """Eager kernels the forward launches (host launch cost)."""
     kernels_backward: float = 0.0
     """Eager kernels the backward launches, the recompute included."""
+
+    @cached_property
+    def forward_work(self) -> Work:
+        """The forward's work as one op (``pre`` + ``post``), added up once per unit."""
+        return self.pre + self.post
 
     def tp_calls(self, forward: bool, gathers_logits: bool = False) -> list[tuple[str, int, float]]:
         """The pass's TP collectives as (kind, calls, bytes per call), in the order emitted:
@@ -430,7 +436,7 @@ class UnitEmitter:
         """``free`` is released when the unit's last forward compute op ends."""
         emit = self.emit
         if not unit.cp_bytes and not (unit.is_moe and unit.ep_bytes):  # one op, TP after it
-            last: Ids = emit.compute(f"fwd.{label}", "forward", unit.pre + unit.post, deps, step,
+            last: Ids = emit.compute(f"fwd.{label}", "forward", unit.forward_work, deps, step,
                                      alloc=alloc, free=free, kernels=unit.kernels_forward,
                                      calls=self._calls(unit, True))
             return self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last

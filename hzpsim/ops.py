@@ -173,6 +173,7 @@ def flops_by_class(flops: Mapping[str, float] | FlopsByClass) -> FlopsByClass:
 
 
 def _dep_ids(deps: Iterable[int | None]) -> tuple[int, ...]:
+    """``deps`` as an Op's: without None, each once, sorted."""
     return tuple(sorted({d for d in deps if d is not None}))
 
 
@@ -237,8 +238,8 @@ class OpGraph:
         :func:`memory_delta`)."""
         op_id = len(self.ops)
         self.ops.append(Op(op_id, COMPUTE, name, category, stream, (rank,), _dep_ids(deps), flops_by_class(flops),
-                           float(bytes_accessed), None, None, 0.0, memory_delta(alloc), memory_delta(free), step, 1,
-                           float(duration_s), shapes))
+                           float(bytes_accessed), None, None, 0.0, memory_delta(alloc) if alloc else (),
+                           memory_delta(free) if free else (), step, 1, float(duration_s), shapes))
         return op_id
 
     def collective(
@@ -260,7 +261,8 @@ class OpGraph:
         assert group in self.groups, group
         op_id = len(self.ops)
         self.ops.append(Op(op_id, COLLECTIVE, name, category, stream, tuple(sorted(participants)), _dep_ids(deps), (),
-                           0.0, kind, group, float(size_bytes), memory_delta(alloc), memory_delta(free), step, count))
+                           0.0, kind, group, float(size_bytes), memory_delta(alloc) if alloc else (),
+                           memory_delta(free) if free else (), step, count))
         return op_id
 
     # ----------------------------------------------------------------- checks and export

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from hzpsim.ops import HOST_STREAM, MemoryDelta, OpGraph, Ranks, memory_delta
 from hzpsim.strategies._implementations import IDEAL, Implementation
@@ -164,7 +165,11 @@ class Schedule:
                 raise ValueError(f"{name}: must be >= 0 bytes per element")
 
     def stream(self, role: str) -> str:
-        return dict(self.streams)[role]
+        return self._stream_of[role]
+
+    @cached_property
+    def _stream_of(self) -> dict[str, str]:
+        return dict(self.streams)
 
 
 class Emitter:
@@ -231,8 +236,8 @@ class Emitter:
                 deps = [*deps, host]
         ids: Ids = {}
         sources = [d for d in deps if d]
-        taken = memory_delta({"buffers": alloc} if alloc else None)
-        released = memory_delta({"buffers": free} if free else None)
+        taken = memory_delta({"buffers": alloc}) if alloc else ()
+        released = memory_delta({"buffers": free}) if free else ()
         for group, participants in instances:
             dep_ids = [d[lane] for d in sources for lane in participants if lane in d]
             op = self.graph.collective(kind, group, participants, size, name, category, stream, dep_ids,

@@ -118,6 +118,12 @@ class MPUnit:
         """The forward's work as one op (``pre`` + ``post``), added up once per unit."""
         return self.pre + self.post
 
+    @cached_property
+    def activation_memory(self) -> _PassMemory:
+        """What the unit's passes take and return when it has no sharded parameters (a merged
+        unit): its activations only."""
+        return _pass_memory(self)
+
     def tp_calls(self, forward: bool, gathers_logits: bool = False) -> list[tuple[str, int, float]]:
         """The pass's TP collectives as (kind, calls, bytes per call), in the order emitted:
         all-reduces, or the sequence-parallel all-gathers and reduce-scatters, and the head's
@@ -387,7 +393,7 @@ class _PassCalls(NamedTuple):
     """Share of each TP transfer hidden behind the pass's compute (``tp_comm_overlap``)."""
     tp: tuple[tuple[str, int, str, float, float], ...]
     """TP collectives (:meth:`MPUnit.tp_calls`): kind, calls, name tag, hidden and exposed bytes per call."""
-    host: list[tuple[int, int]]
+    host: tuple[tuple[int, int], ...]
     """(calls, group size) of the TP / CP / EP collectives, whose host cost the launch pays."""
 
 
@@ -413,9 +419,9 @@ class UnitEmitter:
         tp = tuple((kind, count, ".logits" if size != unit.tp_bytes else _TP_TAGS[kind], size * hidden,
                     size * (1 - hidden))
                    for kind, count, size in tp_calls)
-        host = [(sum(count for _, count, _ in tp_calls), deg.tp),
+        host = ((sum(count for _, count, _ in tp_calls), deg.tp),
                 (1 if forward else 2, deg.cp) if unit.cp_bytes else (0, 1),
-                (2, deg.ep) if unit.is_moe and unit.ep_bytes else (0, 1)]
+                (2, deg.ep) if unit.is_moe and unit.ep_bytes else (0, 1))
         known = self._pass_calls[(id(unit), forward)] = _PassCalls(unit, hidden, tp, host)
         return known
 
@@ -599,12 +605,12 @@ class UnitPass:
 
     def forward_merged(self, unit: MPUnit, step: int, mb: int, incoming: Ids | None) -> Ids:
         """Forward of a merged unit (:func:`merge_units`: no parameters, so no sharding hooks)."""
-        memory = _pass_memory(unit)
+        memory = unit.activation_memory
         return self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", [incoming], step, memory.forward_alloc,
                                       memory.forward_free)
 
     def backward_merged(self, unit: MPUnit, step: int, mb: int, incoming: Ids | None) -> Ids:
-        memory = _pass_memory(unit)
+        memory = unit.activation_memory
         return self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", [incoming], step, memory.backward_alloc,
                                        memory.backward_free)
 

@@ -186,6 +186,7 @@ class Emitter:
         self._lane_set = set(lanes)
         self.implementation = implementation
         self.last_compute: Ids = {}  # the latest device compute op of each lane, in program order
+        self._launch_s: dict[tuple[float, tuple[tuple[int, int], ...]], float] = {}  # host time of a launch
 
     def host(self, name: str, seconds: float, step: int, sync: Sequence[Ids | None] = ()) -> Ids | None:
         """A host op per lane taking ``seconds`` after the device ops in ``sync`` ended (None
@@ -247,11 +248,14 @@ class Emitter:
 
     def compute(self, name: str, category: str, work: Work, deps: Sequence[Ids | None], step: int,
                 alloc: dict[str, float] | MemoryDelta | None = None, free: dict[str, float] | MemoryDelta | None = None,
-                kernels: float = 0.0, calls: Sequence[tuple[int, int]] = ()) -> Ids:
+                kernels: float = 0.0, calls: tuple[tuple[int, int], ...] = ()) -> Ids:
         """One device op per lane, launched by a host op that dispatches ``kernels`` kernels and
         issues the collective ``calls`` ((count, group size) each) that follow it in the unit."""
         impl = self.implementation
-        seconds = impl.launch_s(kernels) + sum(impl.call_host_s(count, size) for count, size in calls)
+        seconds = self._launch_s.get((kernels, calls))
+        if seconds is None:
+            seconds = impl.launch_s(kernels) + sum(impl.call_host_s(count, size) for count, size in calls)
+            self._launch_s[(kernels, calls)] = seconds
         # on a synchronous device the launching thread runs the previous kernel first
         launch = self.host(f"launch.{name}", seconds, step, [self.last_compute] if impl.synchronous else ())
         sources = [d for d in deps if d]

@@ -127,8 +127,9 @@ def ops_by_rank(trace: Trace) -> dict[int, list[Op]]:
     return out
 
 
-StepSpans = dict[str, list[tuple[float, float, Op]]]
-"""One rank's ops in the reported step by stream: (start, end, op), times clipped to the step."""
+StepSpans = dict[str, list[tuple[float, float, str, str]]]
+"""One rank's ops in the reported step by stream: (start, end, kind, category), times clipped
+to the step (plain values: the collector never needs to look at them)."""
 
 
 def step_spans(trace: Trace, ops: list[Op], window: tuple[float, float]) -> StepSpans:
@@ -149,7 +150,7 @@ def step_spans(trace: Trace, ops: list[Op], window: tuple[float, float]) -> Step
         if end > hi:
             end = hi
         if end > start:
-            spans.append((start, end, op))
+            spans.append((start, end, op.kind, op.category))
     return out
 
 
@@ -160,8 +161,8 @@ def overlap(spans: StepSpans) -> tuple[float, float]:
     for stream, items in spans.items():
         if stream == HOST_STREAM:  # only device compute hides communication
             continue
-        for start, end, op in items:
-            (compute if op.kind == COMPUTE else comm).append((start, end))
+        for start, end, kind, _ in items:
+            (compute if kind == COMPUTE else comm).append((start, end))
     busy, talking = _union(compute), _union(comm)
     hidden = _intersection(busy, talking)
     return _length(talking) - hidden, hidden
@@ -269,8 +270,8 @@ def time_breakdown(trace: Trace, ops: list[Op], spans: StepSpans, window: tuple[
     for stream, items in spans.items():
         if stream == HOST_STREAM:
             continue
-        for start, end, op in items:
-            key = ("compute." if op.kind == COMPUTE else "exposed.") + op.category
+        for start, end, kind, category in items:
+            key = ("compute." if kind == COMPUTE else "exposed.") + category
             edges += [(start, 1, key), (end, -1, key)]
     for start, end in _host_waits(trace, ops, lo):
         start, end = max(start, lo), min(end, hi)
@@ -347,14 +348,14 @@ def idle_fraction(spans: StepSpans, window: tuple[float, float]) -> float:
     """Share of ``window`` (the reported step) in which a rank has nothing in flight: it waits
     on another rank (the pipeline schedule's bubble, when this is the worst stage)."""
     lo, hi = window
-    active = _union((start, end) for items in spans.values() for start, end, _ in items)
+    active = _union((start, end) for items in spans.values() for start, end, _, _ in items)
     return 1.0 - _length(active) / (hi - lo)
 
 
 def stream_utilization(spans: StepSpans, window: tuple[float, float]) -> dict[str, float]:
     """Busy fraction of each stream of one simulated rank in the reported step."""
     lo, hi = window
-    return {s: _length(_union((start, end) for start, end, _ in items)) / (hi - lo)
+    return {s: _length(_union((start, end) for start, end, _, _ in items)) / (hi - lo)
             for s, items in sorted(spans.items())}
 
 

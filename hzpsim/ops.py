@@ -270,9 +270,10 @@ class OpGraph:
     def validate(self) -> None:
         """Raise GraphError for unknown dependencies, cycles or inconsistent groups.
 
-        An op that depends only on ops added before it cannot close a cycle, and ``compute`` /
-        ``collective`` can only be given those: the cycle search runs only when some op's deps
-        point forward (deps edited after the fact, or a graph read from elsewhere)."""
+        An op that depends only on ops added before it cannot close a cycle, and a builder that
+        passes the ids ``compute`` / ``collective`` returned only makes such ops: the cycle search
+        runs only when some op's deps point forward (deps edited afterwards, a graph read from
+        elsewhere)."""
         n = len(self.ops)
         simulated = frozenset(self.weights)
         member_sets: dict[str, range | frozenset[int]] = {}

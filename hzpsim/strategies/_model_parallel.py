@@ -526,6 +526,8 @@ class _PassMemory(NamedTuple):
 
 def _pass_memory(unit: MPUnit, forward_buffers_freed: float = 0.0, backward_buffers_taken: float = 0.0,
                  backward_buffers_freed: float = 0.0) -> _PassMemory:
+    """``unit``'s activations, plus the buffer bytes (gathered parameters, full gradients) that
+    its sharded parameters free after the forward, take for the backward and free after it."""
     return _PassMemory(
         memory_delta({"activations": unit.activation_bytes}),
         memory_delta({"buffers": forward_buffers_freed} if forward_buffers_freed else None),

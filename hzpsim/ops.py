@@ -43,7 +43,8 @@ MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "
 STEP_END_CATEGORY = "optimizer"  # the op category that closes an optimizer step (see above)
 HOST_STREAM = "host"  # the stream of host-thread work (launches, list-form views, synchronisations)
 
-MemoryDelta = tuple[tuple[str, float], ...]
+MemoryDelta = tuple[tuple[str, float], ...]  # an Op's alloc / free: (category, bytes) pairs
+FlopsByClass = tuple[tuple[str, float], ...]  # an Op's flops: (efficiency class, FLOPs) pairs
 
 
 Ranks = tuple[int, ...] | range  # sorted rank numbers of a group
@@ -104,7 +105,7 @@ class Op:
         stream: str,
         ranks: tuple[int, ...],
         deps: tuple[int, ...],
-        flops: tuple[tuple[str, float], ...] = (),
+        flops: FlopsByClass = (),
         bytes_accessed: float = 0.0,
         collective: str | None = None,
         group: str | None = None,
@@ -150,12 +151,30 @@ class Op:
         return out
 
 
-def _delta(memory: Mapping[str, float] | None) -> MemoryDelta:
+def memory_delta(memory: Mapping[str, float] | MemoryDelta | None) -> MemoryDelta:
+    """``memory`` (bytes by category) as an Op's ``alloc`` / ``free``: (category, bytes) pairs
+    without the zero ones. A tuple is taken to be one already (a builder that emits the same
+    delta many times converts it once)."""
     if not memory:
         return ()
+    if isinstance(memory, tuple):
+        return memory
     for category in memory:
         assert category in MEMORY_CATEGORIES, category
     return tuple((k, float(v)) for k, v in memory.items() if v)
+
+
+def flops_by_class(flops: Mapping[str, float] | FlopsByClass) -> FlopsByClass:
+    """``flops`` (by efficiency class) as an Op's ``flops``: (class, FLOPs) pairs without the
+    zero ones. A tuple is taken to be one already, as in :func:`memory_delta`."""
+    if isinstance(flops, tuple):
+        return flops
+    return tuple((k, float(v)) for k, v in flops.items() if v)
+
+
+def _dep_ids(deps: Iterable[int | None]) -> tuple[int, ...]:
+    """``deps`` as an Op's: without None, each once, sorted."""
+    return tuple(sorted({d for d in deps if d is not None}))
 
 
 class OpGraph:
@@ -193,7 +212,7 @@ class OpGraph:
 
     def add_static(self, rank: int, memory: Mapping[str, float]) -> None:
         """Memory resident for the whole run (model states), by category."""
-        for category, size in _delta(memory):
+        for category, size in memory_delta(memory):
             self.static_memory[rank][category] = self.static_memory[rank].get(category, 0.0) + size
 
     def compute(
@@ -201,12 +220,12 @@ class OpGraph:
         rank: int,
         name: str,
         category: str,
-        flops: Mapping[str, float],
+        flops: Mapping[str, float] | FlopsByClass,
         deps: Iterable[int | None] = (),
         bytes_accessed: float = 0.0,
         stream: str = "compute",
-        alloc: Mapping[str, float] | None = None,
-        free: Mapping[str, float] | None = None,
+        alloc: Mapping[str, float] | MemoryDelta | None = None,
+        free: Mapping[str, float] | MemoryDelta | None = None,
         step: int = 0,
         duration_s: float = 0.0,
         shapes: tuple[Shape, ...] = (),
@@ -214,25 +233,14 @@ class OpGraph:
         """A compute op on ``rank``'s ``stream``: FLOPs by class and HBM bytes, timed by the
         device's rates, plus a fixed ``duration_s`` (host work: launches, Python, syncs).
         ``shapes`` are the GEMM and attention kernels the FLOPs come from (``hzpsim.kernels``);
-        when given, the cost model times them instead of the class totals."""
-        op = Op(
-            len(self.ops),
-            COMPUTE,
-            name,
-            category,
-            stream,
-            (rank,),
-            tuple(sorted({d for d in deps if d is not None})),
-            flops=tuple((k, float(v)) for k, v in flops.items() if v),
-            bytes_accessed=float(bytes_accessed),
-            alloc=_delta(alloc),
-            free=_delta(free),
-            step=step,
-            duration_s=float(duration_s),
-            shapes=shapes,
-        )
-        self.ops.append(op)
-        return op.id
+        when given, the cost model times them instead of the class totals. ``flops``, ``alloc``
+        and ``free`` may be given in the Op's own form (:func:`flops_by_class`,
+        :func:`memory_delta`)."""
+        op_id = len(self.ops)
+        self.ops.append(Op(op_id, COMPUTE, name, category, stream, (rank,), _dep_ids(deps), flops_by_class(flops),
+                           float(bytes_accessed), None, None, 0.0, memory_delta(alloc) if alloc else (),
+                           memory_delta(free) if free else (), step, 1, float(duration_s), shapes))
+        return op_id
 
     def collective(
         self,
@@ -244,49 +252,42 @@ class OpGraph:
         category: str,
         stream: str,
         deps: Iterable[int | None] = (),
-        alloc: Mapping[str, float] | None = None,
-        free: Mapping[str, float] | None = None,
+        alloc: Mapping[str, float] | MemoryDelta | None = None,
+        free: Mapping[str, float] | MemoryDelta | None = None,
         step: int = 0,
         count: int = 1,
     ) -> int:
         assert kind in COLLECTIVE_KINDS, kind
         assert group in self.groups, group
-        op = Op(
-            len(self.ops),
-            COLLECTIVE,
-            name,
-            category,
-            stream,
-            tuple(sorted(participants)),
-            tuple(sorted({d for d in deps if d is not None})),
-            collective=kind,
-            group=group,
-            size_bytes=float(size_bytes),
-            alloc=_delta(alloc),
-            free=_delta(free),
-            step=step,
-            count=count,
-        )
-        self.ops.append(op)
-        return op.id
+        op_id = len(self.ops)
+        self.ops.append(Op(op_id, COLLECTIVE, name, category, stream, tuple(sorted(participants)), _dep_ids(deps), (),
+                           0.0, kind, group, float(size_bytes), memory_delta(alloc) if alloc else (),
+                           memory_delta(free) if free else (), step, count))
+        return op_id
 
     # ----------------------------------------------------------------- checks and export
 
     def validate(self) -> None:
-        """Raise GraphError for unknown dependencies, cycles or inconsistent groups."""
+        """Raise GraphError for unknown dependencies, cycles or inconsistent groups.
+
+        An op that depends only on ops added before it cannot close a cycle, and a builder that
+        passes the ids ``compute`` / ``collective`` returned only makes such ops: the cycle search
+        runs only when some op's deps point forward (deps edited afterwards, a graph read from
+        elsewhere)."""
         n = len(self.ops)
-        indegree = [0] * n
-        children: list[list[int]] = [[] for _ in range(n)]
+        simulated = frozenset(self.weights)
         member_sets: dict[str, range | frozenset[int]] = {}
+        points_forward = False
         for op in self.ops:
-            for d in op.deps:
-                if not 0 <= d < n:
-                    raise GraphError(f"op {op.id} ({op.name}) depends on unknown op {d}")
-                indegree[op.id] += 1
-                children[d].append(op.id)
-            for r in op.ranks:
-                if r not in self.weights:
-                    raise GraphError(f"op {op.id} ({op.name}) runs on rank {r}, which is not simulated")
+            deps = op.deps
+            if deps:
+                if min(deps) < 0 or max(deps) >= n:
+                    unknown = next(d for d in deps if not 0 <= d < n)
+                    raise GraphError(f"op {op.id} ({op.name}) depends on unknown op {unknown}")
+                points_forward = points_forward or max(deps) >= op.id
+            if not simulated.issuperset(op.ranks):
+                r = next(r for r in op.ranks if r not in simulated)
+                raise GraphError(f"op {op.id} ({op.name}) runs on rank {r}, which is not simulated")
             if op.kind == COLLECTIVE:
                 member_set = member_sets.get(op.group or "")
                 if member_set is None:
@@ -294,11 +295,24 @@ class OpGraph:
                     if members is None:
                         raise GraphError(f"op {op.id} ({op.name}) uses unknown group {op.group!r}")
                     member_set = member_sets[op.group or ""] = members if isinstance(members, range) else frozenset(members)
-                outside = [r for r in op.ranks if r not in member_set]
-                if outside or not op.ranks:
+                inside = member_set.issuperset(op.ranks) if isinstance(member_set, frozenset) else \
+                    all(r in member_set for r in op.ranks)
+                if not inside or not op.ranks:
                     raise GraphError(
                         f"op {op.id} ({op.name}): participants {list(op.ranks)[:4]} are not all in group {op.group}"
                     )
+        if points_forward:
+            self._check_acyclic()
+
+    def _check_acyclic(self) -> None:
+        """GraphError naming a few ops of a dependency cycle, if there is one (Kahn's algorithm)."""
+        n = len(self.ops)
+        indegree = [0] * n
+        children: list[list[int]] = [[] for _ in range(n)]
+        for op in self.ops:
+            for d in op.deps:
+                indegree[op.id] += 1
+                children[d].append(op.id)
         ready = [i for i in range(n) if indegree[i] == 0]
         seen = 0
         while ready:

@@ -99,21 +99,23 @@ def step_boundaries(trace: Trace) -> list[float]:
 
 
 def memory_peak(trace: Trace, rank: int) -> tuple[float, dict[str, float]]:
-    """Peak bytes on ``rank`` and the breakdown by category at that instant."""
+    """Peak bytes on ``rank`` and the breakdown by category at that instant (after all the
+    events of one instant)."""
     current = {c: 0.0 for c in MEMORY_CATEGORIES}
     for category, size in trace.graph.static_memory[rank].items():
         current[category] += size
     peak, at_peak = sum(current.values()), dict(current)
-    events = trace.memory_events[rank]
-    i = 0
-    while i < len(events):
-        now = events[i][0]
-        while i < len(events) and events[i][0] == now:
-            current[events[i][1]] += events[i][2]
-            i += 1
-        total = sum(current.values())
-        if total > peak:
-            peak, at_peak = total, dict(current)
+    previous = None
+    for now, category, size in trace.memory_events[rank]:
+        if now != previous and previous is not None:  # the previous instant's events are all in
+            total = sum(current.values())
+            if total > peak:
+                peak, at_peak = total, dict(current)
+        current[category] += size
+        previous = now
+    total = sum(current.values())
+    if total > peak:
+        peak, at_peak = total, dict(current)
     return peak, at_peak
 
 
@@ -125,16 +127,42 @@ def ops_by_rank(trace: Trace) -> dict[int, list[Op]]:
     return out
 
 
-def overlap(trace: Trace, ops: list[Op], window: tuple[float, float]) -> tuple[float, float]:
-    """(exposed, hidden) communication seconds of one rank's ``ops`` inside ``window``."""
+StepSpans = dict[str, list[tuple[float, float, str, str]]]
+"""One rank's ops in the reported step by stream: (start, end, kind, category), times clipped
+to the step (plain values: the collector never needs to look at them)."""
+
+
+def step_spans(trace: Trace, ops: list[Op], window: tuple[float, float]) -> StepSpans:
+    """One rank's ``ops`` (in order) by stream, with their times clipped to ``window``. Ops
+    that do not overlap it are left out; every stream the ops use has an entry. A stream's
+    ops run one after the other, so its list is in time order (which makes sorting them with
+    other streams' cheap)."""
     lo, hi = window
+    start_s, end_s = trace.start_s, trace.end_s
+    out: StepSpans = {}
+    for op in ops:
+        spans = out.get(op.stream)
+        if spans is None:
+            spans = out[op.stream] = []
+        start, end = start_s[op.id], end_s[op.id]
+        if start < lo:
+            start = lo
+        if end > hi:
+            end = hi
+        if end > start:
+            spans.append((start, end, op.kind, op.category))
+    return out
+
+
+def overlap(spans: StepSpans) -> tuple[float, float]:
+    """(exposed, hidden) communication seconds of one rank in the reported step."""
     compute: list[tuple[float, float]] = []
     comm: list[tuple[float, float]] = []
-    for op in ops:
-        start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
-        if end <= start or op.stream == HOST_STREAM:  # only device compute hides communication
+    for stream, items in spans.items():
+        if stream == HOST_STREAM:  # only device compute hides communication
             continue
-        (compute if op.kind == COMPUTE else comm).append((start, end))
+        for start, end, kind, _ in items:
+            (compute if kind == COMPUTE else comm).append((start, end))
     busy, talking = _union(compute), _union(comm)
     hidden = _intersection(busy, talking)
     return _length(talking) - hidden, hidden
@@ -144,15 +172,22 @@ def comm_bytes(trace: Trace, step: int) -> dict[int, dict[str, float]]:
     """Bytes each simulated rank sends in ``step``, by intra_node / inter_node."""
     out = {r: {"intra_node": 0.0, "inter_node": 0.0} for r in trace.graph.weights}
     ops = trace.graph.ops
+    levels: dict[int, tuple[float, float]] = {}  # id(plan) -> (intra, inter): the engine shares plans
     for op_id, plan in trace.plans.items():
         op = ops[op_id]
         if op.step != step:
             continue
-        intra = sum(v for k, v in plan.bytes_by_level.items() if k in INTRA_NODE_LEVELS)
-        inter = plan.bytes_by_level.get("leaf", 0.0)  # spine bytes are a subset of the NIC's
+        known = levels.get(id(plan))
+        if known is None:
+            known = levels[id(plan)] = (
+                sum(v for k, v in plan.bytes_by_level.items() if k in INTRA_NODE_LEVELS),
+                plan.bytes_by_level.get("leaf", 0.0),  # spine bytes are a subset of the NIC's
+            )
+        intra, inter = known
         for rank in op.senders:
-            out[rank]["intra_node"] += intra
-            out[rank]["inter_node"] += inter
+            sent = out[rank]
+            sent["intra_node"] += intra
+            sent["inter_node"] += inter
     return out
 
 
@@ -183,8 +218,9 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     comm_parts, hidden_parts = [], []
     exposed_by_rank: dict[int, float] = {}
     by_rank = ops_by_rank(trace)
+    spans = {r: step_spans(trace, by_rank[r], window) for r in graph.weights}
     for r in graph.weights:
-        exposed, hidden = overlap(trace, by_rank[r], window)
+        exposed, hidden = overlap(spans[r])
         exposed_by_rank[r] = exposed
         comm_parts.append((exposed + hidden) * graph.weights[r])
         hidden_parts.append(hidden * graph.weights[r])
@@ -213,31 +249,31 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
         "num_events": trace.num_events,
     }
     if graph.meta.get("pp", 1) > 1:
-        report["bubble_fraction"] = max(idle_fraction(trace, by_rank[r], window) for r in graph.weights)
+        report["bubble_fraction"] = max(idle_fraction(spans[r], window) for r in graph.weights)
     report["memory_over_capacity_bytes"] = max(peak - device.memory_bytes, 0.0)
-    report["stream_utilization"] = stream_utilization(trace, by_rank[graph.ranks[0]], window)
+    report["stream_utilization"] = stream_utilization(spans[graph.ranks[0]], window)
     critical = max(graph.weights, key=lambda r: (exposed_by_rank[r], -r))
-    report["time_breakdown_s"] = time_breakdown(trace, by_rank[critical], window)
+    report["time_breakdown_s"] = time_breakdown(trace, by_rank[critical], spans[critical], window)
     return report
 
 
-def time_breakdown(trace: Trace, ops: list[Op], window: tuple[float, float]) -> dict[str, float]:
+def time_breakdown(trace: Trace, ops: list[Op], spans: StepSpans, window: tuple[float, float]) -> dict[str, float]:
     """Where one rank's step goes, instant by instant: ``compute.<category>`` while it computes
     (forward, backward, optimizer ...), ``exposed.<category>`` while it only communicates
     (param_gather, grad_reduce, tp, pp, cp, ep ...; shared equally among the categories in
     flight), ``host`` while device work waits for the host thread to launch it (kernel
     launches, list-form views and copies, a synchronisation), ``idle`` while it waits on other
-    ranks (the pipeline bubble). Sums to the step."""
+    ranks (the pipeline bubble). Sums to the step. ``ops`` are the rank's ops, ``spans``
+    those in the step (:func:`step_spans`)."""
     lo, hi = window
     edges: list[tuple[float, int, str]] = []  # (time, +1/-1, key)
-    for op in ops:
-        if op.stream == HOST_STREAM:
+    for stream, items in spans.items():
+        if stream == HOST_STREAM:
             continue
-        start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
-        if end > start:
-            key = ("compute." if op.kind == COMPUTE else "exposed.") + op.category
+        for start, end, kind, category in items:
+            key = ("compute." if kind == COMPUTE else "exposed.") + category
             edges += [(start, 1, key), (end, -1, key)]
-    for start, end in _host_waits(trace, ops):
+    for start, end in _host_waits(trace, ops, lo):
         start, end = max(start, lo), min(end, hi)
         if end > start:
             edges += [(start, 1, "host"), (end, -1, "host")]
@@ -259,15 +295,19 @@ def time_breakdown(trace: Trace, ops: list[Op], window: tuple[float, float]) -> 
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
-def _host_waits(trace: Trace, ops: list[Op]) -> list[tuple[float, float]]:
+def _host_waits(trace: Trace, ops: list[Op], since: float) -> list[tuple[float, float]]:
     """Intervals in which a device op was ready but for the host op that launches it (or the
     host synchronisation before it): from when everything else it waits for was done to the
-    end of that host op."""
+    end of that host op. Only those ending after ``since``: an op that ended by then was
+    launched by then."""
     graph_ops, end_s = trace.graph.ops, trace.end_s
     previous: dict[str, float] = {}
     out = []
     for op in ops:
         if op.stream == HOST_STREAM:
+            continue
+        if end_s[op.id] <= since:
+            previous[op.stream] = end_s[op.id]
             continue
         host_end = max((end_s[d] for d in op.deps if graph_ops[d].stream == HOST_STREAM), default=None)
         others = max((end_s[d] for d in op.deps if graph_ops[d].stream != HOST_STREAM), default=0.0)
@@ -304,22 +344,19 @@ def chrome_trace(trace: Trace, window: tuple[float, float] | None = None) -> dic
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def idle_fraction(trace: Trace, ops: list[Op], window: tuple[float, float]) -> float:
-    """Share of ``window`` in which a rank has nothing in flight: it waits on another rank
-    (the pipeline schedule's bubble, when this is the worst stage)."""
+def idle_fraction(spans: StepSpans, window: tuple[float, float]) -> float:
+    """Share of ``window`` (the reported step) in which a rank has nothing in flight: it waits
+    on another rank (the pipeline schedule's bubble, when this is the worst stage)."""
     lo, hi = window
-    active = _union((max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)) for op in ops)
+    active = _union((start, end) for items in spans.values() for start, end, _, _ in items)
     return 1.0 - _length(active) / (hi - lo)
 
 
-def stream_utilization(trace: Trace, ops: list[Op], window: tuple[float, float]) -> dict[str, float]:
+def stream_utilization(spans: StepSpans, window: tuple[float, float]) -> dict[str, float]:
     """Busy fraction of each stream of one simulated rank in the reported step."""
     lo, hi = window
-    busy: dict[str, list[tuple[float, float]]] = {}
-    for op in ops:
-        start, end = max(trace.start_s[op.id], lo), min(trace.end_s[op.id], hi)
-        busy.setdefault(op.stream, []).append((start, end))
-    return {s: _length(_union(iv)) / (hi - lo) for s, iv in sorted(busy.items())}
+    return {s: _length(_union((start, end) for start, end, _, _ in items)) / (hi - lo)
+            for s, items in sorted(spans.items())}
 
 
 def format_summary(scenario: Scenario) -> str:

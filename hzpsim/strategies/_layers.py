@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 
 from hzpsim.kernels import Attention, Gemm, Shape, merged, scaled
+from hzpsim.ops import FlopsByClass, flops_by_class
 from hzpsim.training import Training
 
 
@@ -47,6 +49,11 @@ class Work:
             "attention_forward": self.attention_forward,
             "attention_backward": self.attention_backward,
         }
+
+    @cached_property
+    def op_flops(self) -> FlopsByClass:
+        """:meth:`flops` as an Op's ``flops`` field (converted once per Work, not per op)."""
+        return flops_by_class(self.flops())
 
     def scaled(self, factor: float) -> Work:
         return Work(

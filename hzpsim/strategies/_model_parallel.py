@@ -35,12 +35,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import Any, NamedTuple
 
 from hzpsim.cluster.placement import Placement
 from hzpsim.kernels import Attention, Gemm, Shape
 from hzpsim.model import Model
-from hzpsim.ops import Ranks
+from hzpsim.ops import MemoryDelta, Ranks, memory_delta
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._layers import Work
 from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, ShardedParams, Use
@@ -111,6 +112,17 @@ class MPUnit:
     """Eager kernels the forward launches (host launch cost)."""
     kernels_backward: float = 0.0
     """Eager kernels the backward launches, the recompute included."""
+
+    @cached_property
+    def forward_work(self) -> Work:
+        """The forward's work as one op (``pre`` + ``post``), added up once per unit."""
+        return self.pre + self.post
+
+    @cached_property
+    def activation_memory(self) -> _PassMemory:
+        """What the unit's passes take and return when it has no sharded parameters (a merged
+        unit): its activations only."""
+        return _pass_memory(self)
 
     def tp_calls(self, forward: bool, gathers_logits: bool = False) -> list[tuple[str, int, float]]:
         """The pass's TP collectives as (kind, calls, bytes per call), in the order emitted:
@@ -369,6 +381,22 @@ def merge_units(units: Sequence[MPUnit]) -> MPUnit:
     )
 
 
+_TP_TAGS = {"all_reduce": "", "all_gather": ".ag", "reduce_scatter": ".rs"}  # TP op names: tp.<pass label><tag>
+
+
+class _PassCalls(NamedTuple):
+    """The collective calls of one unit's forward or backward: the same every micro-batch."""
+
+    unit: MPUnit
+    """The unit (held, so that its id, the cache key, stays its own)."""
+    tp_overlap: float
+    """Share of each TP transfer hidden behind the pass's compute (``tp_comm_overlap``)."""
+    tp: tuple[tuple[str, int, str, float, float], ...]
+    """TP collectives (:meth:`MPUnit.tp_calls`): kind, calls, name tag, hidden and exposed bytes per call."""
+    host: tuple[tuple[int, int], ...]
+    """(calls, group size) of the TP / CP / EP collectives, whose host cost the launch pays."""
+
+
 class UnitEmitter:
     """Writes one unit's forward or backward (one micro-batch) with its TP/CP/EP collectives."""
 
@@ -378,6 +406,24 @@ class UnitEmitter:
         self.instances: dict[str, Instances] = {
             dim: emit.groups_for(lambda lane, dim=dim: group_of(dim, lane), sizes[dim]) for dim in sizes
         }
+        self._pass_calls: dict[tuple[int, bool], _PassCalls] = {}  # (id(unit), forward) -> its calls
+
+    def _calls_of(self, unit: MPUnit, forward: bool) -> _PassCalls:
+        """The pass's collective calls, worked out on its first micro-batch."""
+        known = self._pass_calls.get((id(unit), forward))
+        if known is not None:
+            return known
+        deg = self.deg
+        hidden = deg.tp_comm_overlap if forward or deg.tp_comm_overlap_backward else 0.0
+        tp_calls = unit.tp_calls(forward, self.emit.implementation.tp_gathers_logits)
+        tp = tuple((kind, count, ".logits" if size != unit.tp_bytes else _TP_TAGS[kind], size * hidden,
+                    size * (1 - hidden))
+                   for kind, count, size in tp_calls)
+        host = ((sum(count for _, count, _ in tp_calls), deg.tp),
+                (1 if forward else 2, deg.cp) if unit.cp_bytes else (0, 1),
+                (2, deg.ep) if unit.is_moe and unit.ep_bytes else (0, 1))
+        known = self._pass_calls[(id(unit), forward)] = _PassCalls(unit, hidden, tp, host)
+        return known
 
     def _tp(self, unit: MPUnit, forward: bool, label: str, deps: Sequence[Ids | None], step: int,
             overlap_from: Sequence[Ids | None] | None = None) -> Ids | None:
@@ -391,23 +437,22 @@ class UnitEmitter:
         the forward's only (``tp_comm_overlap_backward: false``): its announcement measured the
         forward 29 % faster and the whole step 8 %, which the forward alone accounts for
         (discuss.pytorch.org "Introducing Async Tensor Parallelism in PyTorch", Llama 3 8B)."""
-        hidden = self.deg.tp_comm_overlap if forward or self.deg.tp_comm_overlap_backward else 0.0
+        calls = self._calls_of(unit, forward)
+        hidden = calls.tp_overlap
         last = deps[-1] if deps else None
-        calls = unit.tp_calls(forward, self.emit.implementation.tp_gathers_logits)
-        for kind, count, size in calls:
-            tag = "logits" if size != unit.tp_bytes else {"all_reduce": "", "all_gather": "ag", "reduce_scatter": "rs"}[kind]
-            name = f"tp.{label}.{tag}" if tag else f"tp.{label}"
+        for kind, count, tag, hidden_bytes, exposed_bytes in calls.tp:
+            name = f"tp.{label}{tag}"
             overlapped = None
             if hidden > 0:
-                overlapped = self.emit.collective(kind, self.instances["tp"], size * hidden, f"{name}.overlapped",
+                overlapped = self.emit.collective(kind, self.instances["tp"], hidden_bytes, f"{name}.overlapped",
                                                   "tp", "tp", overlap_from if overlap_from is not None else deps,
                                                   step, count=count, launch=False)
             if hidden < 1:
-                last = self.emit.collective(kind, self.instances["tp"], size * (1 - hidden), name,
+                last = self.emit.collective(kind, self.instances["tp"], exposed_bytes, name,
                                             "tp", "compute", [last, overlapped], step, count=count, launch=False)
             elif overlapped is not None:
                 last = overlapped
-        return last if calls else None
+        return last if calls.tp else None
 
     def sp_norm_reduce(self, size_bytes: float, deps: Sequence[Ids | None], step: int) -> Ids | None:
         """The step's all-reduce of the sequence-parallel norm gradients over the TP group (one
@@ -417,27 +462,19 @@ class UnitEmitter:
         return self.emit.collective("all_reduce", self.instances["tp"], size_bytes, "tp.sp_norm_grads", "tp",
                                     "compute", deps, step)
 
-    def _calls(self, unit: MPUnit, forward: bool) -> list[tuple[int, int]]:
-        """The unit pass's TP / CP / EP collective calls as (count, group size): their host cost
-        is charged with the pass's kernel launches, in one host op."""
-        deg = self.deg
-        tp = sum(count for _, count, _ in unit.tp_calls(forward, self.emit.implementation.tp_gathers_logits))
-        return [(tp, deg.tp), (1 if forward else 2, deg.cp) if unit.cp_bytes else (0, 1),
-                (2, deg.ep) if unit.is_moe and unit.ep_bytes else (0, 1)]
-
     def forward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
-                alloc: dict[str, float], free: dict[str, float] | None) -> Ids:
+                alloc: MemoryDelta, free: MemoryDelta) -> Ids:
         """``free`` is released when the unit's last forward compute op ends."""
         emit = self.emit
         if not unit.cp_bytes and not (unit.is_moe and unit.ep_bytes):  # one op, TP after it
-            last: Ids = emit.compute(f"fwd.{label}", "forward", unit.pre + unit.post, deps, step,
+            last: Ids = emit.compute(f"fwd.{label}", "forward", unit.forward_work, deps, step,
                                      alloc=alloc, free=free, kernels=unit.kernels_forward,
-                                     calls=self._calls(unit, True))
+                                     calls=self._calls_of(unit, True).host)
             return self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
         has_post = bool(unit.post)
         last = emit.compute(f"fwd.{label}", "forward", unit.pre, deps, step, alloc=alloc,
                             free=None if (has_post or unit.cp_bytes) else free, kernels=unit.kernels_forward,
-                            calls=self._calls(unit, True))
+                            calls=self._calls_of(unit, True).host)
         if unit.cp_bytes:
             ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.fwd.{label}", "cp", "cp",
                                    deps, step, launch=False)
@@ -455,7 +492,7 @@ class UnitEmitter:
         return self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
 
     def backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
-                 alloc: dict[str, float], free: dict[str, float] | None) -> Ids:
+                 alloc: MemoryDelta, free: MemoryDelta) -> Ids:
         emit = self.emit
         start = deps
         if unit.is_moe and unit.ep_bytes:
@@ -467,7 +504,7 @@ class UnitEmitter:
                                    deps, step, count=2, launch=False)
         main = emit.compute(f"bwd.{label}", "backward", unit.backward, start, step, alloc=alloc,
                             free=None if unit.cp_bytes else free, kernels=unit.kernels_backward,
-                            calls=self._calls(unit, False))
+                            calls=self._calls_of(unit, False).host)
         last: Ids = main
         if unit.cp_bytes:
             last = emit.compute(f"bwd.remote.{label}", "backward", unit.backward_remote, [main, ring], step, free=free)
@@ -475,6 +512,28 @@ class UnitEmitter:
             last = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.bwd.{label}",
                                    "ep", "compute", [last], step, launch=False)
         return self._tp(unit, False, f"bwd.{label}", [last], step, overlap_from=start) or last
+
+
+class _PassMemory(NamedTuple):
+    """What a unit's forward and backward take and return (as Op alloc / free), the same every
+    micro-batch: its activations, and the gather and gradient buffers of its sharded parameters."""
+
+    forward_alloc: MemoryDelta
+    forward_free: MemoryDelta
+    backward_alloc: MemoryDelta
+    backward_free: MemoryDelta
+
+
+def _pass_memory(unit: MPUnit, forward_buffers_freed: float = 0.0, backward_buffers_taken: float = 0.0,
+                 backward_buffers_freed: float = 0.0) -> _PassMemory:
+    """``unit``'s activations, plus the buffer bytes (gathered parameters, full gradients) that
+    its sharded parameters free after the forward, take for the backward and free after it."""
+    return _PassMemory(
+        memory_delta({"activations": unit.activation_bytes}),
+        memory_delta({"buffers": forward_buffers_freed} if forward_buffers_freed else None),
+        memory_delta({"activations": unit.recompute_bytes, "buffers": backward_buffers_taken}),
+        memory_delta({"activations": unit.activation_bytes + unit.recompute_bytes, "buffers": backward_buffers_freed}),
+    )
 
 
 class UnitPass:
@@ -512,6 +571,10 @@ class UnitPass:
                 NestedSharding(*sizes(len(expert_groups[0])), expert_groups), schedule, uses, tag="experts.",
                 unit_tensors=[u.expert_tensors or (u.expert_params,) for u in units],
             ))
+        self.memory = [_pass_memory(u, sum(s.forward_free(i) for s in self.sharded),
+                                    sum(s.backward_alloc(i) for s in self.sharded),
+                                    sum(s.backward_free(i) for s in self.sharded))
+                       for i, u in enumerate(units)]
 
     def _copies(self, unit: MPUnit, index: int, phase: str, step: int, deps: list[Ids | None]) -> list[Ids | None]:
         """The implementation's device copies around the gathers (FSDP2 copy-out), as one
@@ -526,9 +589,8 @@ class UnitPass:
         """Forward of ``unit`` (the ``index``-th of the schedule's units) after ``incoming``."""
         deps = [incoming, *(d for s in self.sharded for d in s.forward_deps(step, mb, index))]
         deps = self._copies(unit, index, "fwd", step, deps)
-        released = sum(s.forward_free(index) for s in self.sharded)
-        last = self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", deps, step, {"activations": unit.activation_bytes},
-                                      {"buffers": released} if released else None)
+        memory = self.memory[index]
+        last = self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", deps, step, memory.forward_alloc, memory.forward_free)
         for s in self.sharded:
             s.forward_done(step, mb, index, last)
         return last
@@ -536,23 +598,23 @@ class UnitPass:
     def backward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
         deps = [incoming, *(d for s in self.sharded for d in s.backward_deps(step, mb, index))]
         deps = self._copies(unit, index, "bwd", step, deps)
-        alloc = {"activations": unit.recompute_bytes, "buffers": sum(s.backward_alloc(index) for s in self.sharded)}
-        free = {"activations": unit.activation_bytes + unit.recompute_bytes,
-                "buffers": sum(s.backward_free(index) for s in self.sharded)}
-        last = self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", deps, step, alloc, free)
+        memory = self.memory[index]
+        last = self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", deps, step, memory.backward_alloc,
+                                       memory.backward_free)
         for s in self.sharded:
             s.backward_done(step, mb, index, last, last_mb=mb == self.num_micro_batches - 1)
         return last
 
     def forward_merged(self, unit: MPUnit, step: int, mb: int, incoming: Ids | None) -> Ids:
         """Forward of a merged unit (:func:`merge_units`: no parameters, so no sharding hooks)."""
-        return self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", [incoming], step,
-                                      {"activations": unit.activation_bytes}, None)
+        memory = unit.activation_memory
+        return self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", [incoming], step, memory.forward_alloc,
+                                      memory.forward_free)
 
     def backward_merged(self, unit: MPUnit, step: int, mb: int, incoming: Ids | None) -> Ids:
-        free = {"activations": unit.activation_bytes + unit.recompute_bytes}
-        return self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", [incoming], step,
-                                       {"activations": unit.recompute_bytes}, free)
+        memory = unit.activation_memory
+        return self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", [incoming], step, memory.backward_alloc,
+                                       memory.backward_free)
 
     def reduce(self, step: int, end_of_backward: Ids) -> list[Ids | None]:
         """The step-end gradient reductions (with the end of the backward: what the gradient-norm

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
-from hzpsim.ops import HOST_STREAM, OpGraph, Ranks
+from hzpsim.ops import HOST_STREAM, MemoryDelta, OpGraph, Ranks, memory_delta
 from hzpsim.strategies._implementations import IDEAL, Implementation
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
 from hzpsim.training import Training
@@ -164,7 +165,11 @@ class Schedule:
                 raise ValueError(f"{name}: must be >= 0 bytes per element")
 
     def stream(self, role: str) -> str:
-        return dict(self.streams)[role]
+        return self._stream_of[role]
+
+    @cached_property
+    def _stream_of(self) -> dict[str, str]:
+        return dict(self.streams)
 
 
 class Emitter:
@@ -181,14 +186,16 @@ class Emitter:
         self._lane_set = set(lanes)
         self.implementation = implementation
         self.last_compute: Ids = {}  # the latest device compute op of each lane, in program order
+        self._launch_s: dict[tuple[float, tuple[tuple[int, int], ...]], float] = {}  # host time of a launch
 
     def host(self, name: str, seconds: float, step: int, sync: Sequence[Ids | None] = ()) -> Ids | None:
         """A host op per lane taking ``seconds`` after the device ops in ``sync`` ended (None
         when the implementation has no host thread, or there is nothing to wait or pay for)."""
         if not self.implementation.host or (seconds <= 0 and not any(sync)):
             return None
-        return {lane: self.graph.compute(lane, f"host.{name}", "host", {}, [d.get(lane) for d in sync if d],
-                                         stream=HOST_STREAM, step=step, duration_s=seconds)
+        graph, label, waits = self.graph, f"host.{name}", [d for d in sync if d]
+        return {lane: graph.compute(lane, label, "host", (), [d.get(lane) for d in waits], stream=HOST_STREAM,
+                                    step=step, duration_s=seconds)
                 for lane in self.lanes}
 
     def groups_for(self, group_of, size: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -229,33 +236,36 @@ class Emitter:
                 host = self.host(f"call.{name}", seconds, step, sync)
                 deps = [*deps, host]
         ids: Ids = {}
+        sources = [d for d in deps if d]
+        taken = memory_delta({"buffers": alloc}) if alloc else ()
+        released = memory_delta({"buffers": free}) if free else ()
         for group, participants in instances:
-            dep_ids = [d[lane] for d in deps if d for lane in participants if lane in d]
-            op = self.graph.collective(
-                kind, group, participants, size, name, category, stream, dep_ids,
-                alloc={"buffers": alloc} if alloc else None,
-                free={"buffers": free} if free else None,
-                step=step, count=count,
-            )
-            ids.update({lane: op for lane in participants})
+            dep_ids = [d[lane] for d in sources for lane in participants if lane in d]
+            op = self.graph.collective(kind, group, participants, size, name, category, stream, dep_ids,
+                                       alloc=taken, free=released, step=step, count=count)
+            ids.update(dict.fromkeys(participants, op))
         return ids
 
     def compute(self, name: str, category: str, work: Work, deps: Sequence[Ids | None], step: int,
-                alloc: dict[str, float] | None = None, free: dict[str, float] | None = None,
-                kernels: float = 0.0, calls: Sequence[tuple[int, int]] = ()) -> Ids:
+                alloc: dict[str, float] | MemoryDelta | None = None, free: dict[str, float] | MemoryDelta | None = None,
+                kernels: float = 0.0, calls: tuple[tuple[int, int], ...] = ()) -> Ids:
         """One device op per lane, launched by a host op that dispatches ``kernels`` kernels and
         issues the collective ``calls`` ((count, group size) each) that follow it in the unit."""
         impl = self.implementation
-        seconds = impl.launch_s(kernels) + sum(impl.call_host_s(count, size) for count, size in calls)
+        seconds = self._launch_s.get((kernels, calls))
+        if seconds is None:
+            seconds = impl.launch_s(kernels) + sum(impl.call_host_s(count, size) for count, size in calls)
+            self._launch_s[(kernels, calls)] = seconds
         # on a synchronous device the launching thread runs the previous kernel first
         launch = self.host(f"launch.{name}", seconds, step, [self.last_compute] if impl.synchronous else ())
-        ids = {
-            lane: self.graph.compute(
-                lane, name, category, work.flops(), [d.get(lane) for d in [*deps, launch] if d],
-                bytes_accessed=work.bytes_accessed, alloc=alloc, free=free, step=step, shapes=work.shapes,
-            )
-            for lane in self.lanes
-        }
+        sources = [d for d in deps if d]
+        if launch:
+            sources.append(launch)
+        graph, flops, shapes, bytes_accessed = self.graph, work.op_flops, work.shapes, work.bytes_accessed
+        taken, released = memory_delta(alloc), memory_delta(free)
+        ids = {lane: graph.compute(lane, name, category, flops, [d.get(lane) for d in sources], bytes_accessed,
+                                   alloc=taken, free=released, step=step, shapes=shapes)
+               for lane in self.lanes}
         self.last_compute = ids
         return ids
 

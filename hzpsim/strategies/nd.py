@@ -281,8 +281,14 @@ class _Stage:
         placement = lay.placement
         self.unit_pass = UnitPass(self.emit, d, [units[u] for u in self.local], training, placement, lay.experts,
                                   schedule, uses, lambda size: _sharding_sizes(zero_stage, size), self.m)
-        self.next_stage = {r: placement.rank(**{**placement.coord(r), "pp": rank + 1}) for r in lanes} if rank < self.p - 1 else {}
-        self.prev_stage = {r: placement.rank(**{**placement.coord(r), "pp": rank - 1}) for r in lanes} if rank > 0 else {}
+
+        def peers(pp: int) -> dict[int, int]:
+            return {r: placement.rank(**{**placement.coord(r), "pp": pp}) for r in lanes}
+
+        # where each lane sends: "F" to the next pipeline rank, "B" to the previous; interleaved,
+        # the next model chunk starts again on the first rank (and the previous one ends on the last)
+        self.peers = {"F": peers(rank + 1 if rank < self.p - 1 else 0), "B": peers(rank - 1 if rank > 0 else self.p - 1)}
+        self.links: dict[str, list[tuple[int, int, str]]] = {}  # direction -> (lane, peer, p2p group) once used
         self.position = 0
         self.last: Ids = {}
         # Where no per-unit event matters (no gathers, no per-micro-batch reductions, no CP/EP
@@ -329,11 +335,10 @@ class _Stage:
               sends: dict[tuple[str, int, int], Ids]) -> None:
         """Point-to-point send of an activation (or its gradient) to the neighbouring stage."""
         forward = direction == "F"
-        target = self.next_stage if forward else self.prev_stage
-        if not target:  # interleaved: the next model chunk starts again on the first rank (or the
-            placement = self.lay.placement  # previous one ends on the last rank)
-            wrap = 0 if forward else self.p - 1
-            target = {r: placement.rank(**{**placement.coord(r), "pp": wrap}) for r in self.lanes}
+        links = self.links.get(direction)
+        if links is None:  # the first send this way: its groups join the graph
+            links = self.links[direction] = [(lane, peer, self.graph.add_group(f"p2p.{lane}.{peer}", (lane, peer)))
+                                             for lane, peer in self.peers[direction].items()]
         # Megatron 2021 (implementation sync_after_p2p): the send is one host call, after which
         # the host synchronises with the device (p2p_communication.py::_communicate)
         synced = self.emit.implementation.sync_after_p2p
@@ -341,10 +346,9 @@ class _Stage:
             if synced else None
         ids: Ids = {}
         sent: Ids = {}
-        for lane, peer in target.items():
-            group = self.graph.add_group(f"p2p.{lane}.{peer}", (lane, peer))
-            op = self.graph.collective("send_recv", group, [lane], size, f"send.{direction}.vs{vs}.mb{mb}", "pp",
-                                       f"pp_{'fwd' if forward else 'bwd'}",
+        name, stream = f"send.{direction}.vs{vs}.mb{mb}", f"pp_{'fwd' if forward else 'bwd'}"
+        for lane, peer, group in links:
+            op = self.graph.collective("send_recv", group, [lane], size, name, "pp", stream,
                                        [deps[lane], launch[lane] if launch else None], step=step)
             ids[peer] = sent[lane] = op
         sends[(direction, vs, mb)] = ids

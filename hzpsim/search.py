@@ -330,10 +330,12 @@ class Bound:
 class _Costs:
     """Least seconds of kernels and collectives on one topology and precision.
 
-    Kernels: :meth:`ComputeModel.duration_s` of a stand-in op carrying the work's GEMM shapes
-    (exactly the time the simulator charges them; without shapes, the FLOP totals at the
-    large-GEMM rate, which no shape beats) and HBM bytes; attention FLOPs at the device's dense
-    peak, which no kernel exceeds. Collectives: NCCL's isolated time (``CollectiveModel.plan``),
+    Kernels: :meth:`ComputeModel.duration_s` of a stand-in op carrying the work's kernel shapes
+    (GEMMs and attention) and HBM bytes: exactly the time the simulator charges an op of that
+    work (it times an op by its shapes, and a shape's time is linear in its calls, so the
+    units' parts add up to the simulator's merged ops). Without shapes, the FLOP totals at the
+    large-GEMM rate, which no shape beats, and attention FLOPs at the device's dense peak,
+    which no kernel exceeds. Collectives: NCCL's isolated time (``CollectiveModel.plan``),
     stretched, when ``variability`` is credited, by the ``1 + cv · E[max]`` every ring step of
     the symmetric simulation takes (``sim/variability.py``)."""
 
@@ -351,14 +353,23 @@ class _Costs:
         key = (work.gemm, work.attention_forward, work.attention_backward, work.bytes_accessed, work.shapes)
         seconds = self._work.get(key)
         if seconds is None:
-            gemms = tuple(s for s in work.shapes if isinstance(s, Gemm))
-            if gemms:  # the GEMMs at exactly the time the simulator gives their shapes
-                op = SimpleNamespace(duration_s=0.0, flops=(), bytes_accessed=work.bytes_accessed, shapes=gemms)
-            else:  # FLOP totals only: the large-GEMM rate, which no shape beats
-                op = SimpleNamespace(duration_s=0.0, flops=(("gemm", work.gemm),) if work.gemm else (),
-                                     bytes_accessed=work.bytes_accessed, shapes=())
-            seconds = self.compute.duration_s(op)  # type: ignore[arg-type]
-            seconds += (work.attention_forward + work.attention_backward) / self.compute.peak_flops_per_s
+            seconds = None
+            if work.shapes:  # exactly the time the simulator gives an op of these shapes and bytes
+                op = SimpleNamespace(duration_s=0.0, flops=(), bytes_accessed=work.bytes_accessed, shapes=work.shapes)
+                try:
+                    seconds = self.compute.duration_s(op)  # type: ignore[arg-type]
+                except ValueError:  # an attention kernel the device cannot run: the GEMMs only, below
+                    seconds = None
+            if seconds is None:
+                gemms = tuple(s for s in work.shapes if isinstance(s, Gemm))
+                if gemms:  # the GEMMs at exactly the time the simulator gives their shapes
+                    op = SimpleNamespace(duration_s=0.0, flops=(), bytes_accessed=work.bytes_accessed, shapes=gemms)
+                else:  # FLOP totals only: the large-GEMM rate, which no shape beats
+                    op = SimpleNamespace(duration_s=0.0, flops=(("gemm", work.gemm),) if work.gemm else (),
+                                         bytes_accessed=work.bytes_accessed, shapes=())
+                seconds = self.compute.duration_s(op)  # type: ignore[arg-type]
+                # attention FLOPs at the dense peak, which no kernel exceeds
+                seconds += (work.attention_forward + work.attention_backward) / self.compute.peak_flops_per_s
             self._work[key] = seconds
         return seconds
 

@@ -428,6 +428,7 @@ class _UnitCost:
     tensors: tuple[float, ...] = ()  # dense parameter tensors (the implementation's collective calls)
     after_forward_s: float = 0.0  # the compute stream's next kernel waits this long after the forward
     after_backward_s: float = 0.0
+    kernels_sq: float = 0.0  # sum of the squares of the unit's compute ops' least durations (fwd + bwd)
 
     @property
     def forward_and_wait_s(self) -> float:
@@ -484,7 +485,10 @@ def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: in
             costs.add_demand(demand, "all_to_all", u.ep_bytes, ep_ranks, 4)
         out.append(_UnitCost(fwd, bwd, tp_f + tp_b + 4 * a2a + wait_f + wait_b, u.activation_bytes, u.dense_params,
                              u.expert_params, tuple(sorted(demand.items())), u.p2p_bytes,
-                             tuple(u.tensors) or (u.dense_params,), after_f, after_b))
+                             tuple(u.tensors) or (u.dense_params,), after_f, after_b,
+                             # one op (pre + post) without CP or EP; else pre, remote, post apart
+                             kernels_sq=((pre + post) ** 2 if not cp and not moe else pre ** 2 + remote ** 2 + post ** 2)
+                             + back ** 2 + back_remote ** 2))
     return out
 
 
@@ -653,8 +657,9 @@ class Bounder:
       * the chain: a replay of the step's dependencies at those least durations — the
         data-parallel gathers the first forward waits for (prefetch depth and buffer rings
         included), the pipeline's fill and drain with its point-to-point sends, every
-        compute-stream op, the reductions after the last backward, the gradient norm and the
-        optimizer (for the ZeRO family every micro-batch's gathers and reductions);
+        compute-stream op, the reductions after the last backward, the gradient norm (and
+        its straggler, twice: :func:`_norm_s`) and the optimizer (for the ZeRO family every
+        micro-batch's gathers and reductions);
       * the talking: a rank's communication takes at least its busiest stream's serial sum
         and its busiest link's bytes at full rate; what of it overlaps kernels slows them.
 
@@ -709,7 +714,7 @@ class Bounder:
             levels = sorted({level for u in unit_costs for level, _ in u.link_bytes})
             columns = {attr: [getattr(u, attr) for u in unit_costs] for attr in
                        ("forward_s", "backward_s", "comm_s", "activation_bytes", "dense_params", "expert_params",
-                        "forward_and_wait_s", "backward_and_wait_s")}
+                        "forward_and_wait_s", "backward_and_wait_s", "kernels_sq")}
             for level in levels:
                 columns["link." + level] = [dict(u.link_bytes).get(level, 0.0) for u in unit_costs]
             for attr, values in columns.items():
@@ -772,9 +777,22 @@ def bound(scenario: Scenario, candidate: Candidate) -> Bound:
     return Bounder(scenario)(candidate)
 
 
-def _norm_s(costs: _Costs, n: int) -> float:
-    """The global gradient-norm all-reduce (one fp32 scalar over every rank, compute stream)."""
-    return costs.collective_s("all_reduce", 4.0, range(n))
+def _norm_s(costs: _Costs, n: int, squares: float = 0.0) -> float:
+    """The global gradient-norm all-reduce (one fp32 scalar over every rank, compute stream),
+    and, given ``squares``, the wait for its straggler twice: in the collective and before the
+    optimizer after it (``Engine._collective`` / ``Engine._stream``).
+
+    The norm is the step's only rendezvous of all ``n`` ranks when ``squares`` is passed, so its
+    slowest member is late by ``cv · E[max of n] · W`` with ``W² `` the sum of the squared
+    stretches of device work since the previous norm (``Stragglers._since``). Each compute op
+    adds its whole duration to the stretch it ends in, and (a + b)² >= a² + b², so W² is at
+    least the sum of the squares of the ops' least durations on the slowest simulated rank:
+    ``squares``. The optimizer after the norm starts when the norm ends and waits the same
+    straggler again (``waited_s`` counts from the norm's end)."""
+    seconds = costs.collective_s("all_reduce", 4.0, range(n))
+    if squares > 0:
+        seconds += 2 * costs.late(n) * math.sqrt(squares)
+    return seconds
 
 
 def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bound:
@@ -814,7 +832,6 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
     sizes = nd._sharding_sizes(cfg.zero_stage, dense_dp)
     ps, gs, os_ = sizes
     block = cfg.tp * cfg.cp * lay.dp
-    norm = _norm_s(costs, n)
     last = bounder.last_action(p, v, m)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
     wait_all = not schedule.effective_overlap_grad_reduce
@@ -838,6 +855,14 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
         held = sum(acts[((k // p) % v) * p + s] for k in range(warmup + (1 if m * v > warmup else 0)))
         memory = max(memory, _static_bytes(dense, sizes, training, schedule.implementation) + held)
     max_up = max(opt_up)
+    # the norm's straggler: the stages' compute ops since the previous norm (every other group
+    # is smaller than the world, so no other rendezvous resets the stretch)
+    moe = scenario.model.moe is not None
+    groups = (cfg.tp, cfg.cp, dense_dp, cfg.ep, n // (cfg.ep * cfg.etp * p) if moe else 1)
+    squares = 0.0
+    if max(groups) < n:
+        squares = max(m * sum(run_sum("kernels_sq", c * p + s) for c in range(v)) + opt_lo[s] ** 2 for s in range(p))
+    norm = _norm_s(costs, n, squares)
 
     # the chain: fill (chunk 0 of micro-batch 0 through the stages, each behind its own step-end
     # gathers), each stage's own work, drain (chunk 0 of the last micro-batch back), reductions
@@ -1133,7 +1158,13 @@ def _family_bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
                     done = t_dp
             norm_ready = max(norm_ready, done)
         tail = d0.reduce + d0.step_rs + d0.replica_ar
-    norm = _norm_s(costs, n)
+    # the norm's straggler, when no other rendezvous of the world resets its stretch
+    world = deg.data_parallel(n) * deg.cp
+    groups = [p, g, o, world // o, deg.tp, deg.cp, deg.ep] + ([expert_world] if expert else [])
+    squares = 0.0
+    if max(groups) < n:
+        squares = m * sum(u.kernels_sq for u in unit_costs) + opt_dense ** 2 + opt_expert ** 2
+    norm = _norm_s(costs, n, squares)
     chain = norm_ready + norm + optimizer
 
     # the talking: streams' serial sums and the links' bytes in the step (with experts, less

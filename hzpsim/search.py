@@ -428,6 +428,7 @@ class _UnitCost:
     tensors: tuple[float, ...] = ()  # dense parameter tensors (the implementation's collective calls)
     after_forward_s: float = 0.0  # the compute stream's next kernel waits this long after the forward
     after_backward_s: float = 0.0
+    kernels_s: float = 0.0  # of forward_s + backward_s: the kernels alone (what talking slows)
     kernels_sq: float = 0.0  # sum of the squares of the unit's compute ops' least durations (fwd + bwd)
 
     @property
@@ -486,6 +487,7 @@ def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: in
         out.append(_UnitCost(fwd, bwd, tp_f + tp_b + 4 * a2a + wait_f + wait_b, u.activation_bytes, u.dense_params,
                              u.expert_params, tuple(sorted(demand.items())), u.p2p_bytes,
                              tuple(u.tensors) or (u.dense_params,), after_f, after_b,
+                             kernels_s=pre + remote + post + back + back_remote,
                              # one op (pre + post) without CP or EP; else pre, remote, post apart
                              kernels_sq=((pre + post) ** 2 if not cp and not moe else pre ** 2 + remote ** 2 + post ** 2)
                              + back ** 2 + back_remote ** 2))
@@ -659,7 +661,9 @@ class Bounder:
         included), the pipeline's fill and drain with its point-to-point sends, every
         compute-stream op, the reductions after the last backward, the gradient norm (and
         its straggler, twice: :func:`_norm_s`) and the optimizer (for the ZeRO family every
-        micro-batch's gathers and reductions);
+        micro-batch's gathers and reductions). A pipeline stage's body is longer by what its
+        reduce-scatters and step-end reductions must slow of its kernels
+        (:func:`_slowed_bodies`);
       * the talking: a rank's communication takes at least its busiest stream's serial sum
         and its busiest link's bytes at full rate; what of it overlaps kernels slows them.
 
@@ -714,7 +718,7 @@ class Bounder:
             levels = sorted({level for u in unit_costs for level, _ in u.link_bytes})
             columns = {attr: [getattr(u, attr) for u in unit_costs] for attr in
                        ("forward_s", "backward_s", "comm_s", "activation_bytes", "dense_params", "expert_params",
-                        "forward_and_wait_s", "backward_and_wait_s", "kernels_sq")}
+                        "forward_and_wait_s", "backward_and_wait_s", "kernels_s", "kernels_sq")}
             for level in levels:
                 columns["link." + level] = [dict(u.link_bytes).get(level, 0.0) for u in unit_costs]
             for attr, values in columns.items():
@@ -913,14 +917,11 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
         if s + 1 < p:
             arrival = first_forward_end + costs.send_s(unit_costs[hi - 1].p2p_bytes, s * block, (s + 1) * block)
     last_pass = [bwd[s] - unit_costs[spans[s][0]].after_backward_s for s in range(p)]
-    starts = [e - last_pass[s] for s, e in enumerate(ends)]  # the last pass (chunk 0's) begins after the rest
-    if drains:
-        for s in range(p - 2, -1, -1):
-            lo_next = spans[s + 1][0]
-            back = costs.send_s(unit_costs[lo_next].p2p_bytes, (s + 1) * block, s * block)
-            starts[s] = max(starts[s], ends[s + 1] + back)  # ... and after its gradient arrives
-            ends[s] = starts[s] + last_pass[s]
-    norm_ready = -math.inf
+    bodies = [e - last_pass[s] for s, e in enumerate(ends)]  # the last pass (chunk 0's) begins after the rest
+    backs = [costs.send_s(unit_costs[spans[s + 1][0]].p2p_bytes, (s + 1) * block, s * block) for s in range(p - 1)]
+    starts = _drain(bodies, last_pass, backs, drains)
+    ends = [starts[s] + last_pass[s] for s in range(p)]
+    readies_s: list[float] = []
     for s in range(p):
         lo, hi = spans[s]
         dpu = stage_dp[s]
@@ -965,8 +966,17 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
                     done = t_dp
                 ready = max(ready, done)
         tails.append(ready - z)
-        norm_ready = max(norm_ready, ready)
+        readies_s.append(ready)
         exposed.append(last_chain)
+    norm_ready = max(readies_s)
+    if sd > 0:
+        # talking slows the kernels it overlaps (see _slowed_bodies): the bodies end later
+        after = [readies_s[s] - starts[s] for s in range(p)]  # from the last pass's start to the norm
+        later = _slowed_bodies(bounder, costs, unit_costs, spans, p, v, m, stage_dp, work, after, last_pass, backs,
+                               drains, sizes, block, cfg.tp, training, schedule)
+        if any(later):
+            moved = _drain([b + x for b, x in zip(bodies, later)], last_pass, backs, drains)
+            norm_ready = max(norm_ready, max(moved[s] + after[s] for s in range(p)))
     if refine and (ps > 1 or gs > 1):
         norm_ready = max(norm_ready, _nd_replay(bounder, unit_costs, spans, p, v, m, stage_dp, readies, first_starts,
                                                 schedule))
@@ -999,6 +1009,66 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
     w, tk = work[critical], talk[critical]
     exp = tails[critical] + norm + heads[critical]
     return Bound(step, w, tk, max(0.0, chain - w - exp), memory, window, window > chain, exp)
+
+
+def _drain(bodies: list[float], last_pass: list[float], backs: list[float], drains: bool) -> list[float]:
+    """When each stage's last pass can start: after the rest of its work (``bodies``) and, when
+    every stage ends on chunk 0's last micro-batch (``drains``), after the next stage's last
+    pass and the send of its gradient (``backs[s]``: stage s + 1 to s)."""
+    starts = list(bodies)
+    if drains:
+        for s in range(len(starts) - 2, -1, -1):
+            starts[s] = max(starts[s], starts[s + 1] + last_pass[s + 1] + backs[s])
+    return starts
+
+
+def _slowed_bodies(bounder: Bounder, costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[int, int]],
+                   p: int, v: int, m: int, stage_dp: list[list[_DPUnit]], work: list[float], after: list[float],
+                   last_pass: list[float], backs: list[float], drains: bool, sizes: tuple[int, int, int],
+                   block: int, tp: int, training, schedule: Schedule) -> list[float]:
+    """How much later each stage's body (its passes after the first forward and before the last
+    one) ends than the chain says, because kernels run 1/(1 + slowdown) as fast while the rank
+    talks (``Engine._talk``: any collective it sends in is in flight).
+
+    Stage j's body of length L holds kernels K (at full rate: K_fast + K_slow/(1 + sd) = K),
+    non-kernel time Y >= N (compute-stream collectives, straggler waits, idle; N the chain's)
+    and the rank talks for T of it: the slowed kernel time K_slow >= T - Y, so
+    L = K + Y + K_slow·sd/(1 + sd) >= K + N + sd/(1 + sd)·max(0, T - N) (increasing in Y).
+    A communication stream whose ops all start after the body starts (a backward's gradient
+    reduce-scatters; the step-end reductions) and all end before the gradient norm starts
+    (which waits for them) is busy at least R in the step; of that, x falls after the body's
+    end, and the norm cannot start before the body's end + x, nor before the body's end + D
+    (D: the chain's longest path from there to the norm: this stage's last pass, the drain
+    through the stages before it, their reductions). So T >= R - x, and the norm starts at
+    least at body end + sd'·max(0, R - x - N) + max(D, x), whose least value over x is
+    D + sd'·max(0, R - N - D) (sd' = sd/(1 + sd)): the body ends sd'·max(0, R - N - D) later,
+    whatever x is. The bound takes the busiest such stream."""
+    sdp = costs.slowdown / (1 + costs.slowdown)
+    pre = bounder.prefix(unit_costs)
+    # D: the longest path from a body's end to the norm (the last passes drain down the stages)
+    longest: list[float] = []
+    for j in range(p):
+        d = after[j]
+        if drains and j > 0:
+            d = max(d, last_pass[j] + backs[j - 1] + longest[j - 1])
+        longest.append(d)
+    out = []
+    for j in range(p):
+        dpu = stage_dp[j]
+        dp_group = range(j * block, (j + 1) * block, tp)
+        kernels = sum(pre["kernels_s"][b] - pre["kernels_s"][a] for a, b in (spans[c * p + j] for c in range(v)))
+        # the body's non-kernel time, at most all passes' (a larger N only lowers the bound)
+        non_kernel = work[j] - m * kernels + unit_costs[spans[j][1] - 1].after_forward_s
+        whole = _whole_buffer_s(costs, sum(unit_costs[k].dense_params for c in range(v)
+                                           for k in range(*spans[c * p + j])), sizes, dp_group, training, schedule)
+        busy: dict[str, float] = {}
+        for role, seconds in (("rs", m * sum(d.reduce for d in dpu)),
+                              ("dp", whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu))):
+            name = schedule.stream(role)
+            busy[name] = busy.get(name, 0.0) + seconds
+        talking = max(busy.values(), default=0.0)
+        out.append(sdp * max(0.0, talking - non_kernel - longest[j]))
+    return out
 
 
 def _nd_replay(bounder: Bounder, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,

@@ -20,8 +20,8 @@ by branch and bound, exactly:
 3. the rest are simulated in order of their step-time bound, in fixed batches, and a candidate
    whose bound exceeds both the N-th best fitting step time found so far and its family's best
    is *pruned (bound)*: it can enter neither the top N nor its family's best. An ND candidate
-   whose bound passes gets a refined one first (its stages replayed micro-batch by
-   micro-batch), which may still prune it.
+   whose bound passes gets a refined one first (the whole pipeline replayed, every stage's
+   schedule micro-batch by micro-batch against the others'), which may still prune it.
 
 Both bounds are tested against simulated values (``tests/test_search.py``), and the search's
 answers against an exhaustive simulation of the same space. Batches are fixed, so the same
@@ -663,7 +663,8 @@ class Bounder:
         its straggler, twice: :func:`_norm_s`) and the optimizer (for the ZeRO family every
         micro-batch's gathers and reductions). A pipeline stage's body is longer by what its
         reduce-scatters and step-end reductions must slow of its kernels
-        (:func:`_slowed_bodies`);
+        (:func:`_slowed_bodies`); refined, the whole pipeline is replayed, every stage's
+        schedule against the others' (:func:`_nd_pipeline`);
       * the talking: a rank's communication takes at least its busiest stream's serial sum
         and its busiest link's bytes at full rate; what of it overlaps kernels slows them.
 
@@ -834,7 +835,7 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
     acts = [run_sum("activation_bytes", j) for j in range(len(spans))]
     dense_dp = lay.dp * cfg.cp
     sizes = nd._sharding_sizes(cfg.zero_stage, dense_dp)
-    ps, gs, os_ = sizes
+    os_ = sizes[2]
     block = cfg.tp * cfg.cp * lay.dp
     last = bounder.last_action(p, v, m)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
@@ -871,7 +872,6 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
     # the chain: fill (chunk 0 of micro-batch 0 through the stages, each behind its own step-end
     # gathers), each stage's own work, drain (chunk 0 of the last micro-batch back), reductions
     ends: list[float] = []
-    first_starts: list[float] = []
     readies: list[list[float]] = []
     arrival = -math.inf
     stage_dp: list[list[_DPUnit]] = []
@@ -886,7 +886,6 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
         ready0 = release - early[s]
         all_gathered = ready0 + sum(d.step_ag for d in dpu)
         t = max(release, arrival)
-        first_starts.append(t)
         t_dp = t_ag = ready0
         stage_ready = [ready0] * len(dpu)  # when each local unit's parameters are ready
         for i, d in enumerate(dpu):
@@ -977,9 +976,12 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
         if any(later):
             moved = _drain([b + x for b, x in zip(bodies, later)], last_pass, backs, drains)
             norm_ready = max(norm_ready, max(moved[s] + after[s] for s in range(p)))
-    if refine and (ps > 1 or gs > 1):
-        norm_ready = max(norm_ready, _nd_replay(bounder, unit_costs, spans, p, v, m, stage_dp, readies, first_starts,
-                                                schedule))
+    if refine:
+        wholes = [_whole_buffer_s(costs, sum(unit_costs[k].dense_params for c in range(v) for k in range(*spans[c * p + s])),
+                                  sizes, range(s * block, (s + 1) * block, cfg.tp), training, schedule) for s in range(p)]
+        piped = _nd_pipeline(costs, unit_costs, spans, p, v, m, block, lambda s: bounder.actions(p, v, m, s), stage_dp,
+                             readies, opt_lo, wholes, schedule)
+        norm_ready = max(norm_ready, piped)
     chain = norm_ready + norm + max(opt_lo) - max_up
     critical = max(range(p), key=lambda s: (ends[s] + tails[s], -s))
 
@@ -1071,53 +1073,134 @@ def _slowed_bodies(bounder: Bounder, costs: _Costs, unit_costs: list[_UnitCost],
     return out
 
 
-def _nd_replay(bounder: Bounder, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,
-               stage_dp: list[list[_DPUnit]], readies: list[list[float]], first_starts: list[float],
-               schedule: Schedule) -> float:
-    """When the norm can start at the earliest, by each stage's own schedule replayed unit by
-    unit with its per-micro-batch data-parallel collectives (ZeRO-2/3: every backward's
-    reduce-scatter and the gradient-buffer ring it fills, ZeRO-3: every use's gather and the
-    prefetch ring), ignoring the other stages after the first forward's arrival."""
+
+def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,
+                 block: int, actions: Callable[[int], list[tuple[str, int, int]]], stage_dp: list[list[_DPUnit]],
+                 readies: list[list[float]], release: list[float], wholes: list[float | None], schedule: Schedule,
+                 ) -> float:
+    """When the norm can start at the earliest, by the whole pipeline replayed: every stage's
+    schedule (``nd.pipeline_actions``), pass by pass and unit by unit, each op at its least
+    duration after its dependencies (the previous op of its stream, the activation or gradient
+    sent point to point by the neighbouring virtual stage, the parameters' gathers and prefetch
+    ring, the gradient-buffer ring of the reduce-scatters), then the step-end reductions.
+    Every real start is at least the replayed one: the engine's ops wait for the same
+    dependencies (and more) and take at least these durations."""
     depth, slots = schedule.effective_prefetch_depth, schedule.reduce_buffers
     reshard = schedule.reshard_after_forward
-    out = -math.inf
+    wait_all = not schedule.effective_overlap_grad_reduce
+    last_vs = p * v - 1
+    # per stage: compute stream (free at t, next kernel waits ``after`` more), its streams
+    t = list(release)
+    after = [0.0] * p
+    t_ag = [-math.inf] * p
+    t_rs = [-math.inf] * p
+    t_fwd = [-math.inf] * p  # pp_fwd send stream
+    t_bwd = [-math.inf] * p
+    consumed: list[list[float]] = [[] for _ in range(p)]
+    scatters: list[list[float]] = [[] for _ in range(p)]
+    final: list[list[float]] = [[-math.inf] * len(stage_dp[s]) for s in range(p)]
+    offsets = []
     for s in range(p):
-        dpu, ready = stage_dp[s], readies[s]
         offset = [0]
         for c in range(v):
             lo, hi = spans[c * p + s]
             offset.append(offset[-1] + hi - lo)
-        t, after = first_starts[s], 0.0
-        t_ag = t_rs = -math.inf
-        consumed: list[float] = []
-        scatters: list[float] = []
-        last_rs = -math.inf
-        for kind, c, mb in bounder.actions(p, v, m, s):
-            lo, hi = spans[c * p + s]
-            forward = kind == "F"
-            for k in (range(lo, hi) if forward else range(hi - 1, lo - 1, -1)):
-                i = offset[c] + k - lo
-                d, uc = dpu[i], unit_costs[k]
-                start = t + after
-                gathered = bool(d.gather_fwd) if forward else bool(d.gather_bwd and reshard)
-                if gathered:
-                    slot = len(consumed) - depth - 1
-                    t_ag = max(t_ag, ready[i], consumed[slot] if slot >= 0 else -math.inf) + (
-                        d.gather_fwd if forward else d.gather_bwd)
-                    start = max(start, t_ag)
-                elif forward and mb == 0:
-                    start = max(start, ready[i])
-                if not forward and d.reduce and len(scatters) >= slots:
-                    start = max(start, scatters[-slots])
-                t = start + (uc.forward_s if forward else uc.backward_s)
-                after = uc.after_forward_s if forward else uc.after_backward_s
-                if gathered:
-                    consumed.append(t)
-                if not forward and d.reduce:
-                    t_rs = max(t_rs, t) + d.reduce
-                    scatters.append(t_rs)
-                    last_rs = t_rs
-        out = max(out, t, last_rs)
+        offsets.append(offset)
+    plans = [actions(s) for s in range(p)]
+    position = [0] * p
+    sent: dict[tuple[str, int, int], float] = {}  # (direction, virtual stage, micro-batch) -> arrival
+    sends: dict[tuple[int, int, float], float] = {}
+
+    def send_s(src: int, dst: int, size: float) -> float:
+        key = (src, dst, size)
+        if key not in sends:
+            sends[key] = costs.send_s(size, src * block, dst * block)
+        return sends[key]
+
+    pending = True
+    while pending:
+        pending = progressed = False
+        for s in range(p):
+            plan, dpu, params_ready, offset = plans[s], stage_dp[s], readies[s], offsets[s]
+            while position[s] < len(plan):
+                kind, c, mb = plan[position[s]]
+                vs = c * p + s
+                forward = kind == "F"
+                if forward:
+                    key = ("F", vs - 1, mb)
+                    if vs > 0 and key not in sent:
+                        break
+                else:
+                    key = ("B", vs + 1, mb)
+                    if vs < last_vs and key not in sent:
+                        break
+                incoming = sent.pop(key, -math.inf)
+                lo, hi = spans[vs]
+                now, wait = t[s], after[s]
+                first = True
+                for k in (range(lo, hi) if forward else range(hi - 1, lo - 1, -1)):
+                    i = offset[c] + k - lo
+                    d, uc = dpu[i], unit_costs[k]
+                    start = now + wait
+                    if first:
+                        start = max(start, incoming)
+                        first = False
+                    gathered = bool(d.gather_fwd) if forward else bool(d.gather_bwd and reshard)
+                    if gathered:
+                        slot = len(consumed[s]) - depth - 1
+                        t_ag[s] = max(t_ag[s], params_ready[i], consumed[s][slot] if slot >= 0 else -math.inf) + (
+                            d.gather_fwd if forward else d.gather_bwd)
+                        start = max(start, t_ag[s])
+                    elif forward and mb == 0:
+                        start = max(start, params_ready[i])
+                    if not forward and d.reduce and len(scatters[s]) >= slots:
+                        start = max(start, scatters[s][-slots])
+                    if forward:
+                        now, wait = start + uc.forward_s, uc.after_forward_s
+                    else:
+                        now, wait = start + uc.backward_s, uc.after_backward_s
+                    if gathered:
+                        consumed[s].append(now)
+                    if not forward:
+                        done = now
+                        if d.reduce:
+                            t_rs[s] = max(t_rs[s], now) + d.reduce
+                            scatters[s].append(t_rs[s])
+                            done = t_rs[s]
+                        if mb == m - 1:
+                            final[s][i] = done
+                t[s], after[s] = now, wait
+                if forward and vs < last_vs:
+                    dst = (s + 1) % p
+                    t_fwd[s] = max(t_fwd[s], now) + send_s(s, dst, unit_costs[hi - 1].p2p_bytes)
+                    sent[("F", vs, mb)] = t_fwd[s]
+                elif not forward and vs > 0:
+                    dst = (s - 1) % p
+                    t_bwd[s] = max(t_bwd[s], now) + send_s(s, dst, unit_costs[lo].p2p_bytes)
+                    sent[("B", vs, mb)] = t_bwd[s]
+                position[s] += 1
+                progressed = True
+            pending |= position[s] < len(plan)
+        assert progressed or not pending, "pipeline replay deadlocked"
+    out = -math.inf
+    for s in range(p):
+        dpu = stage_dp[s]
+        end = t[s]
+        ready = max(end, max(final[s], default=-math.inf))
+        # the dp stream: the previous optimizer's step-end gathers, then the reductions
+        t_dp = max(readies[s], default=-math.inf)
+        whole = wholes[s]
+        if whole is not None:
+            ready = max(ready, max(t_dp, end if wait_all else -math.inf, *final[s]) + whole)
+        else:
+            for i in range(len(dpu) - 1, -1, -1):  # descending unit index, as reduce_step issues them
+                done = final[s][i]
+                for seconds in (dpu[i].step_rs, dpu[i].replica_ar):
+                    if seconds:
+                        t_dp = max(t_dp, done, end if wait_all else -math.inf) + seconds
+                        done = t_dp
+                ready = max(ready, done)
+        out = max(out, ready)
     return out
 
 

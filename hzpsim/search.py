@@ -542,6 +542,19 @@ def _sharded_demand(costs: _Costs, demand: dict[str, float], params: Sequence[fl
             costs.add_demand(demand, "all_gather", unit_params / p * bw, members("step_ag"), k)
 
 
+def _group_spans(costs: _Costs, sizes: tuple[int, int, int], dp_group: Sequence[int], schedule: Schedule) -> tuple:
+    """Where the data-parallel groups of ``dp_group[0]`` sit (their :class:`GroupSpan`, which
+    alone sets a collective's cost): groups placed alike cost alike, whatever their ranks."""
+    p, g, o = sizes
+    sharding = NestedSharding(p, g, o, (tuple(dp_group),))
+    roles = [("param", 1), ("grad", 1), ("step_rs", 1), ("replica", 1), ("step_ag", 1)]
+    if schedule.hierarchical_gather > 1:
+        roles += [("param_outer", schedule.hierarchical_gather), ("param_inner", schedule.hierarchical_gather)]
+    if schedule.backward_gather_size:
+        roles.append(("secondary", schedule.backward_gather_size))
+    return (len(dp_group), *(costs._span(sharding.group_of(role, dp_group[0], size)[1]) for role, size in roles))
+
+
 @dataclass(frozen=True)
 class _DPUnit:
     """Least seconds of one unit's data-parallel collectives (``_sharded.ShardedParams``), in
@@ -556,7 +569,9 @@ class _DPUnit:
 
 
 def _dp_units(costs: _Costs, units: Sequence[_UnitCost], sizes: tuple[int, int, int], dp_group: Sequence[int],
-              training, schedule: Schedule) -> list[_DPUnit]:
+              training, schedule: Schedule, memo: dict[Any, _DPUnit] | None = None) -> list[_DPUnit]:
+    """Each unit's :class:`_DPUnit` (``memo``: by the unit's parameters and tensors, for one
+    sharding, group placement, training and schedule)."""
     p, g, o = sizes
     sharding = NestedSharding(p, g, o, (tuple(dp_group),))
     rank = dp_group[0]
@@ -586,6 +601,10 @@ def _dp_units(costs: _Costs, units: Sequence[_UnitCost], sizes: tuple[int, int, 
     out = []
     for u in units:
         x, tensors = u.dense_params, u.tensors
+        key = (x, tensors)
+        if memo is not None and key in memo:
+            out.append(memo[key])
+            continue
         if x <= 0:
             out.append(_DPUnit())
             continue
@@ -606,6 +625,8 @@ def _dp_units(costs: _Costs, units: Sequence[_UnitCost], sizes: tuple[int, int, 
             cs("all_reduce", x / o * bg / calls, members("replica"), calls) if replicas > 1 else 0.0,
             cs("all_gather", x / p * bw / calls, members("step_ag"), calls) if o > p else 0.0,
         ))
+        if memo is not None:
+            memo[key] = out[-1]
     return out
 
 
@@ -686,6 +707,8 @@ class Bounder:
         self._units: dict[tuple, list[_UnitCost]] = {}
         self._demand: dict[tuple, dict[str, float]] = {}
         self._dp: dict[tuple, list[_DPUnit]] = {}
+        self._dp_unit: dict[tuple, dict[Any, _DPUnit]] = {}
+        self._spans: dict[tuple, tuple] = {}
         self._layouts: dict[tuple, Any] = {}
         self._prefix: dict[int, tuple[list[_UnitCost], dict[str, Any]]] = {}
         self._last_action: dict[tuple[int, int, int], tuple[str, int, int]] = {}
@@ -695,8 +718,8 @@ class Bounder:
         # with experts, the dense step-end gather may start before the experts' optimizer ends
         # (outside the window the bound looks at): left out
         step_gather = self.scenario.model.moe is None
-        key = (id(costs), tuple(params), m, sizes, _range_key(dp_group), training.param_element_bytes,
-               training.grad_element_bytes, schedule)
+        key = (id(costs), tuple(params), m, sizes, self.spans(costs, sizes, dp_group, schedule),
+               training.param_element_bytes, training.grad_element_bytes, schedule)
         if key not in self._demand:
             demand: dict[str, float] = {}
             _sharded_demand(costs, demand, params, m, sizes, dp_group, training, schedule, step_gather)
@@ -705,11 +728,19 @@ class Bounder:
 
     def dp_units(self, costs: _Costs, units: list[_UnitCost], lo: int, hi: int, sizes: tuple[int, int, int],
                  dp_group: Sequence[int], training, schedule: Schedule) -> list[_DPUnit]:
-        key = (id(units), lo, hi, sizes, _range_key(dp_group), training.param_element_bytes,
-               training.grad_element_bytes, training.activation_recompute, schedule)
+        spans = self.spans(costs, sizes, dp_group, schedule)
+        key = (id(units), lo, hi, sizes, spans, training.param_element_bytes, training.grad_element_bytes,
+               training.activation_recompute, schedule)
         if key not in self._dp:
-            self._dp[key] = _dp_units(costs, units[lo:hi], sizes, dp_group, training, schedule)
+            memo = self._dp_unit.setdefault(key[3:] + (id(costs),), {})
+            self._dp[key] = _dp_units(costs, units[lo:hi], sizes, dp_group, training, schedule, memo)
         return self._dp[key]
+
+    def spans(self, costs: _Costs, sizes: tuple[int, int, int], dp_group: Sequence[int], schedule: Schedule) -> tuple:
+        key = (id(costs), sizes, _range_key(dp_group), schedule.hierarchical_gather, schedule.backward_gather_size)
+        if key not in self._spans:
+            self._spans[key] = _group_spans(costs, sizes, dp_group, schedule)
+        return self._spans[key]
 
     def prefix(self, unit_costs: list[_UnitCost]) -> dict[str, Any]:
         """Cumulative sums over the units of each cost (sums over any run of units in O(1))."""
@@ -755,7 +786,12 @@ class Bounder:
         return self._costs[key]
 
     def units(self, training, deg: ParallelDims, pp: int, variability: bool = True) -> list[_UnitCost]:
-        key = (training.micro_batch_size, training.activation_recompute, deg, pp if deg.ep > 1 else 1, variability)
+        # a unit as one model-parallel rank runs it does not depend on the pipeline or the data
+        # parallelism (mp_units reads tp, cp, ep, etp, sequence parallelism, the MoE imbalance;
+        # _unit_costs the TP overlap and, for the expert groups' placement, pp): shared by them
+        deg = dataclasses.replace(deg, pp=1, vpp=1, dp=None)
+        pp = pp if deg.ep > 1 else 1
+        key = (training.micro_batch_size, training.activation_recompute, deg, pp, variability)
         if key not in self._units:
             sc = self.scenario
             self._units[key] = _unit_costs(self.costs(training.precision, variability),
@@ -1071,7 +1107,6 @@ def _slowed_bodies(bounder: Bounder, costs: _Costs, unit_costs: list[_UnitCost],
         talking = max(busy.values(), default=0.0)
         out.append(sdp * max(0.0, talking - non_kernel - longest[j]))
     return out
-
 
 
 def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,

@@ -430,6 +430,11 @@ class _UnitCost:
     after_backward_s: float = 0.0
     kernels_s: float = 0.0  # of forward_s + backward_s: the kernels alone (what talking slows)
     kernels_sq: float = 0.0  # sum of the squares of the unit's compute ops' least durations (fwd + bwd)
+    forward_sq: float = 0.0  # of which the forward's
+    # a pass that is one compute op, then collectives only (no CP, no EP): its kernel time
+    # (0: the pass is not one op and gets no slowdown in _nd_pipeline)
+    forward_kernel_s: float = 0.0
+    backward_kernel_s: float = 0.0
 
     @property
     def forward_and_wait_s(self) -> float:
@@ -477,6 +482,8 @@ def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: in
         else:  # context parallel: the TP all-reduces follow the MLP (or the remote attention)
             wait_f = after_f = wait_tp_f * (post if u.post else remote)
             wait_b = after_b = wait_tp_b * back_remote
+        simple = not cp and not moe
+        forward_sq = (pre + post) ** 2 if simple else pre ** 2 + remote ** 2 + post ** 2
         fwd = pre + remote + post + tp_f + 2 * a2a + wait_f
         bwd = back + back_remote + tp_b + 2 * a2a + wait_b
         demand: dict[str, float] = {}
@@ -489,8 +496,8 @@ def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: in
                              tuple(u.tensors) or (u.dense_params,), after_f, after_b,
                              kernels_s=pre + remote + post + back + back_remote,
                              # one op (pre + post) without CP or EP; else pre, remote, post apart
-                             kernels_sq=((pre + post) ** 2 if not cp and not moe else pre ** 2 + remote ** 2 + post ** 2)
-                             + back ** 2 + back_remote ** 2))
+                             kernels_sq=forward_sq + back ** 2 + back_remote ** 2, forward_sq=forward_sq,
+                             forward_kernel_s=pre + post if simple else 0.0, backward_kernel_s=back if simple else 0.0))
     return out
 
 
@@ -871,7 +878,7 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
     acts = [run_sum("activation_bytes", j) for j in range(len(spans))]
     dense_dp = lay.dp * cfg.cp
     sizes = nd._sharding_sizes(cfg.zero_stage, dense_dp)
-    os_ = sizes[2]
+    ps, gs, os_ = sizes
     block = cfg.tp * cfg.cp * lay.dp
     last = bounder.last_action(p, v, m)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
@@ -1015,8 +1022,13 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
     if refine:
         wholes = [_whole_buffer_s(costs, sum(unit_costs[k].dense_params for c in range(v) for k in range(*spans[c * p + s])),
                                   sizes, range(s * block, (s + 1) * block, cfg.tp), training, schedule) for s in range(p)]
+        # the first step-end reduction's straggler (_nd_pipeline), when its group is the
+        # largest the stage meets after the previous optimizer's step-end gathers
+        group = os_ // gs if os_ > gs else dense_dp // os_
+        others = (cfg.tp, cfg.cp, cfg.ep if moe else 1, gs, ps)
+        first_late = costs.late(group) if group > 1 and max(others) < group and not moe else 0.0
         piped = _nd_pipeline(costs, unit_costs, spans, p, v, m, block, lambda s: bounder.actions(p, v, m, s), stage_dp,
-                             readies, opt_lo, wholes, schedule)
+                             readies, opt_lo, wholes, schedule, first_late, os_ > ps)
         norm_ready = max(norm_ready, piped)
     chain = norm_ready + norm + max(opt_lo) - max_up
     critical = max(range(p), key=lambda s: (ends[s] + tails[s], -s))
@@ -1112,17 +1124,46 @@ def _slowed_bodies(bounder: Bounder, costs: _Costs, unit_costs: list[_UnitCost],
 def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,
                  block: int, actions: Callable[[int], list[tuple[str, int, int]]], stage_dp: list[list[_DPUnit]],
                  readies: list[list[float]], release: list[float], wholes: list[float | None], schedule: Schedule,
-                 ) -> float:
+                 first_late: float = 0.0, step_gathers: bool = False) -> float:
     """When the norm can start at the earliest, by the whole pipeline replayed: every stage's
     schedule (``nd.pipeline_actions``), pass by pass and unit by unit, each op at its least
     duration after its dependencies (the previous op of its stream, the activation or gradient
     sent point to point by the neighbouring virtual stage, the parameters' gathers and prefetch
-    ring, the gradient-buffer ring of the reduce-scatters), then the step-end reductions.
-    Every real start is at least the replayed one: the engine's ops wait for the same
-    dependencies (and more) and take at least these durations."""
+    ring, the gradient-buffer ring of the reduce-scatters, the step-end reductions as each
+    unit's last backward ends). Every real time is at least the replayed one: the engine's ops
+    wait for the same dependencies (and more), take at least these durations, and each op's end
+    only grows with the times it depends on.
+
+    Talking slows kernels (``Engine._talk``). A communication stream whose op was started by an
+    earlier op of the compute stream (a reduce-scatter after a backward, a step-end reduction,
+    a point-to-point send, the step-end gathers after the previous optimizer) stays busy from
+    that op's end until the stream's last issued op ends (the stream runs its queue back to
+    back). A pass that is one compute op then collectives, starting at s before that busy end
+    b, runs its kernels 1/(1 + slowdown) as fast until b: it ends at least
+    s + d + sd/(1 + sd)·min(b - s, (1 + sd)·d), which only grows with s and b. (A merged op of
+    several units is slowed at least as much: the replay's collectives between the units only
+    take window time away from its kernels.)
+
+    ``first_late``: the stage's first step-end reduction rendezvouses a group larger than any
+    other of the step since the previous optimizer's step-end gathers, so it starts late by
+    ``first_late`` · W, W² at least the sum of the squared least durations of the compute ops
+    that ended since the last of those gathers (when ``step_gathers``, from the first forward
+    of the unit gathered last, which waits for it; see :func:`_norm_s`)."""
     depth, slots = schedule.effective_prefetch_depth, schedule.reduce_buffers
     reshard = schedule.reshard_after_forward
     wait_all = not schedule.effective_overlap_grad_reduce
+    sd = costs.slowdown
+    sdp = sd / (1 + sd)
+    # which streams' busy spells are talking from a kernel's start to their end (see above)
+    impl = schedule.implementation
+    exclusive = {role: sum(schedule.stream(r) == schedule.stream(role) for r in ("ag", "rs", "dp")) == 1
+                 for role in ("rs", "dp")}
+    paid_on_stream = impl.host and impl.calls_from_comm_threads  # call ops, not talking, on the stream
+    rs_talks = exclusive["rs"] and not paid_on_stream
+    dp_talks = exclusive["dp"] and not paid_on_stream
+    # the step-end reductions are issued after the step's last launch: only without a host
+    # thread is nothing of theirs provably started by the time a later kernel runs
+    reductions_talk = dp_talks and not impl.host
     last_vs = p * v - 1
     # per stage: compute stream (free at t, next kernel waits ``after`` more), its streams
     t = list(release)
@@ -1131,9 +1172,18 @@ def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[i
     t_rs = [-math.inf] * p
     t_fwd = [-math.inf] * p  # pp_fwd send stream
     t_bwd = [-math.inf] * p
+    # the dp stream: the previous optimizer's step-end gathers, then the reductions
+    t_dp = [max(r, default=-math.inf) for r in readies]
+    gathers_end = list(t_dp)
     consumed: list[list[float]] = [[] for _ in range(p)]
     scatters: list[list[float]] = [[] for _ in range(p)]
     final: list[list[float]] = [[-math.inf] * len(stage_dp[s]) for s in range(p)]
+    reduced = [-math.inf] * p  # when the stage's step-end reductions issued so far end
+    next_reduce = [len(stage_dp[s]) - 1 for s in range(p)]  # reduce_step's order: descending unit index
+    squares = [0.0] * p
+    counting = [not step_gathers or not any(d.step_ag for d in stage_dp[s]) for s in range(p)]
+    late_paid = [not first_late] * p
+    inline = not wait_all and all(w is None for w in wholes)
     offsets = []
     for s in range(p):
         offset = [0]
@@ -1152,11 +1202,30 @@ def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[i
             sends[key] = costs.send_s(size, src * block, dst * block)
         return sends[key]
 
+    def reduce(s: int) -> None:
+        """Issue the stage's step-end reductions whose turn has come (their units' last
+        backward done), in the dp stream's order."""
+        dpu = stage_dp[s]
+        while next_reduce[s] >= 0 and final[s][next_reduce[s]] > -math.inf:
+            i = next_reduce[s]
+            done = final[s][i]
+            for seconds in (dpu[i].step_rs, dpu[i].replica_ar):
+                if seconds:
+                    if not late_paid[s]:
+                        seconds += first_late * math.sqrt(squares[s])
+                        late_paid[s] = True
+                    t_dp[s] = max(t_dp[s], done) + seconds
+                    done = t_dp[s]
+            reduced[s] = max(reduced[s], done)
+            next_reduce[s] -= 1
+
     pending = True
     while pending:
         pending = progressed = False
         for s in range(p):
             plan, dpu, params_ready, offset = plans[s], stage_dp[s], readies[s], offsets[s]
+            # the unit whose step-end gather the dp stream runs last
+            top = max((i for i, d in enumerate(dpu) if d.step_ag), default=-1)
             while position[s] < len(plan):
                 kind, c, mb = plan[position[s]]
                 vs = c * p + s
@@ -1172,14 +1241,27 @@ def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[i
                 incoming = sent.pop(key, -math.inf)
                 lo, hi = spans[vs]
                 now, wait = t[s], after[s]
+                order = range(lo, hi) if forward else range(hi - 1, lo - 1, -1)
+                # a pass whose units wait for nothing but each other may run as one merged op
+                # (nd._Stage.merged: its collectives after all its kernels, one straggler wait
+                # after the pass): its units' waits are charged after the pass, not between
+                free = not any(
+                    (dpu[offset[c] + k - lo].gather_fwd or mb == 0) if forward
+                    else (dpu[offset[c] + k - lo].gather_bwd and reshard) or dpu[offset[c] + k - lo].reduce
+                    for k in list(order)[1:])
+                deferred = 0.0
                 first = True
-                for k in (range(lo, hi) if forward else range(hi - 1, lo - 1, -1)):
+                for k in order:
                     i = offset[c] + k - lo
                     d, uc = dpu[i], unit_costs[k]
-                    start = now + wait
                     if first:
-                        start = max(start, incoming)
+                        start = max(now + wait, incoming)
                         first = False
+                    elif free:
+                        deferred += wait
+                        start = now
+                    else:
+                        start = now + wait
                     gathered = bool(d.gather_fwd) if forward else bool(d.gather_bwd and reshard)
                     if gathered:
                         slot = len(consumed[s]) - depth - 1
@@ -1191,9 +1273,20 @@ def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[i
                     if not forward and d.reduce and len(scatters[s]) >= slots:
                         start = max(start, scatters[s][-slots])
                     if forward:
-                        now, wait = start + uc.forward_s, uc.after_forward_s
+                        seconds, kernel, wait = uc.forward_s, uc.forward_kernel_s, uc.after_forward_s
                     else:
-                        now, wait = start + uc.backward_s, uc.after_backward_s
+                        seconds, kernel, wait = uc.backward_s, uc.backward_kernel_s, uc.after_backward_s
+                    if sd and kernel:
+                        busy = max(t_rs[s] if rs_talks else -math.inf, gathers_end[s] if dp_talks else -math.inf,
+                                   t_dp[s] if reductions_talk else -math.inf, t_fwd[s], t_bwd[s])
+                        if busy > start:
+                            seconds += sdp * min(busy - start, (1 + sd) * kernel)
+                    now = start + seconds
+                    if counting[s]:
+                        squares[s] += uc.forward_sq if forward else uc.kernels_sq - uc.forward_sq
+                    elif forward and mb == 0 and i == top:
+                        counting[s] = True
+                        squares[s] += uc.forward_sq
                     if gathered:
                         consumed[s].append(now)
                     if not forward:
@@ -1204,7 +1297,9 @@ def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[i
                             done = t_rs[s]
                         if mb == m - 1:
                             final[s][i] = done
-                t[s], after[s] = now, wait
+                            if inline:
+                                reduce(s)
+                t[s], after[s] = now, deferred + wait
                 if forward and vs < last_vs:
                     dst = (s + 1) % p
                     t_fwd[s] = max(t_fwd[s], now) + send_s(s, dst, unit_costs[hi - 1].p2p_bytes)
@@ -1221,19 +1316,17 @@ def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[i
     for s in range(p):
         dpu = stage_dp[s]
         end = t[s]
-        ready = max(end, max(final[s], default=-math.inf))
-        # the dp stream: the previous optimizer's step-end gathers, then the reductions
-        t_dp = max(readies[s], default=-math.inf)
+        ready = max(end, *final[s], reduced[s])
         whole = wholes[s]
         if whole is not None:
-            ready = max(ready, max(t_dp, end if wait_all else -math.inf, *final[s]) + whole)
-        else:
-            for i in range(len(dpu) - 1, -1, -1):  # descending unit index, as reduce_step issues them
+            ready = max(ready, max(t_dp[s], end if wait_all else -math.inf, *final[s]) + whole)
+        elif not inline:
+            for i in range(next_reduce[s], -1, -1):  # descending unit index, as reduce_step issues them
                 done = final[s][i]
                 for seconds in (dpu[i].step_rs, dpu[i].replica_ar):
                     if seconds:
-                        t_dp = max(t_dp, done, end if wait_all else -math.inf) + seconds
-                        done = t_dp
+                        t_dp[s] = max(t_dp[s], done, end if wait_all else -math.inf) + seconds
+                        done = t_dp[s]
                 ready = max(ready, done)
         out = max(out, ready)
     return out

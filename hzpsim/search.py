@@ -435,6 +435,8 @@ class _UnitCost:
     # (0: the pass is not one op and gets no slowdown in _nd_pipeline)
     forward_kernel_s: float = 0.0
     backward_kernel_s: float = 0.0
+    launches: float = 0.0  # kernels its forward and backward launch (MPUnit.kernels_*)
+    tp_calls: int = 0  # TP collective calls of its forward and backward (the logits' gather counted)
 
     @property
     def forward_and_wait_s(self) -> float:
@@ -497,7 +499,9 @@ def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: in
                              kernels_s=pre + remote + post + back + back_remote,
                              # one op (pre + post) without CP or EP; else pre, remote, post apart
                              kernels_sq=forward_sq + back ** 2 + back_remote ** 2, forward_sq=forward_sq,
-                             forward_kernel_s=pre + post if simple else 0.0, backward_kernel_s=back if simple else 0.0))
+                             forward_kernel_s=pre + post if simple else 0.0, backward_kernel_s=back if simple else 0.0,
+                             launches=u.kernels_forward + u.kernels_backward,
+                             tp_calls=sum(c for _, c, _ in [*u.tp_calls(True, True), *u.tp_calls(False)])))
     return out
 
 
@@ -1028,7 +1032,8 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
         others = (cfg.tp, cfg.cp, cfg.ep if moe else 1, gs, ps)
         first_late = costs.late(group) if group > 1 and max(others) < group and not moe else 0.0
         piped = _nd_pipeline(costs, unit_costs, spans, p, v, m, block, lambda s: bounder.actions(p, v, m, s), stage_dp,
-                             readies, opt_lo, wholes, schedule, first_late, os_ > ps)
+                             readies, opt_lo, wholes, schedule, first_late, os_ > ps,
+                             _host_ahead(unit_costs, spans, p, v, m, training, topology, schedule, sizes, moe or cfg.cp > 1))
         norm_ready = max(norm_ready, piped)
     chain = norm_ready + norm + max(opt_lo) - max_up
     critical = max(range(p), key=lambda s: (ends[s] + tails[s], -s))
@@ -1121,10 +1126,42 @@ def _slowed_bodies(bounder: Bounder, costs: _Costs, unit_costs: list[_UnitCost],
     return out
 
 
+def _host_ahead(unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int, training,
+                topology, schedule: Schedule, sizes: tuple[int, int, int], other_calls: bool) -> bool:
+    """Whether every host op of the reported step has ended before the step begins, so that no
+    device op of it waits for its launch or call (the step-end reductions are called after the
+    step's last launch).
+
+    Without synchronisations (no ``sync_*`` of the implementation, asynchronous kernels, calls
+    paid by the training thread) a rank's host ops depend on nothing but each other: the host
+    thread runs them back to back from time 0, and the ops of steps 0 .. k end by (k + 1) x its
+    time per step. Step k begins after every stage ran step k - 1's kernels, at least k x the
+    largest stage's kernel time. A step's host ops are the launches of its compute ops
+    (``Implementation.launch_s`` of their kernels, with the TP calls that follow them) and the
+    calls of its data-parallel collectives and gradient norm; each call costs at most
+    ``call_host_s(1, n)``. Left undecided (False) with parameter gathers, CP or EP calls."""
+    impl = schedule.implementation.on_device(topology.device)
+    if not impl.host:
+        return True
+    if (impl.synchronous or impl.sync_before_gather or impl.sync_after_reduce or impl.sync_after_p2p
+            or impl.calls_from_comm_threads or sizes[0] > 1 or other_calls):
+        return False
+    per_call = impl.call_host_s(1, topology.num_devices)
+    host = kernels = 0.0
+    for s in range(p):
+        local = [unit_costs[k] for c in range(v) for k in range(*spans[c * p + s])]
+        reduce_calls = sum(max(impl.reduce_calls(u.tensors), 1) for u in local if u.dense_params > 0)
+        calls = m * sum(u.tp_calls for u in local) + (m if sizes[1] > 1 else 0) * reduce_calls + 3 * reduce_calls + 3
+        host = max(host, impl.launch_s(m * sum(u.launches for u in local)) + per_call * calls)
+        kernels = max(kernels, m * sum(u.kernels_s for u in local))
+    steps = training.num_steps
+    return steps * host <= (steps - 1) * kernels
+
+
 def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,
                  block: int, actions: Callable[[int], list[tuple[str, int, int]]], stage_dp: list[list[_DPUnit]],
                  readies: list[list[float]], release: list[float], wholes: list[float | None], schedule: Schedule,
-                 first_late: float = 0.0, step_gathers: bool = False) -> float:
+                 first_late: float = 0.0, step_gathers: bool = False, host_ahead: bool = False) -> float:
     """When the norm can start at the earliest, by the whole pipeline replayed: every stage's
     schedule (``nd.pipeline_actions``), pass by pass and unit by unit, each op at its least
     duration after its dependencies (the previous op of its stream, the activation or gradient
@@ -1144,6 +1181,8 @@ def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[i
     several units is slowed at least as much: the replay's collectives between the units only
     take window time away from its kernels.)
 
+    ``host_ahead``: see :func:`_host_ahead`.
+
     ``first_late``: the stage's first step-end reduction rendezvouses a group larger than any
     other of the step since the previous optimizer's step-end gathers, so it starts late by
     ``first_late`` · W, W² at least the sum of the squared least durations of the compute ops
@@ -1162,8 +1201,9 @@ def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[i
     rs_talks = exclusive["rs"] and not paid_on_stream
     dp_talks = exclusive["dp"] and not paid_on_stream
     # the step-end reductions are issued after the step's last launch: only without a host
-    # thread is nothing of theirs provably started by the time a later kernel runs
-    reductions_talk = dp_talks and not impl.host
+    # thread, or with one provably ahead of the device (_host_ahead), are they started when
+    # their units' last backward ends
+    reductions_talk = dp_talks and (not impl.host or host_ahead)
     last_vs = p * v - 1
     # per stage: compute stream (free at t, next kernel waits ``after`` more), its streams
     t = list(release)

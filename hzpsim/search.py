@@ -1174,8 +1174,12 @@ def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[i
     Talking slows kernels (``Engine._talk``). A communication stream whose op was started by an
     earlier op of the compute stream (a reduce-scatter after a backward, a step-end reduction,
     a point-to-point send, the step-end gathers after the previous optimizer) stays busy from
-    that op's end until the stream's last issued op ends (the stream runs its queue back to
-    back). A pass that is one compute op then collectives, starting at s before that busy end
+    that op's end until the stream's last issued op ends: every queued op's dependencies are
+    done by then, and so is its host call, issued before the launch of the kernel that follows
+    (the step-end reductions are called after the step's last launch: they count only when the
+    host thread is provably ahead). Not counted: a stream shared with another role, or one
+    whose calls are paid on the stream itself (both leave gaps without talking).
+    A pass that is one compute op then collectives, starting at s before that busy end
     b, runs its kernels 1/(1 + slowdown) as fast until b: it ends at least
     s + d + sd/(1 + sd)·min(b - s, (1 + sd)·d), which only grows with s and b. (A merged op of
     several units is slowed at least as much: the replay's collectives between the units only

@@ -20,8 +20,8 @@ by branch and bound, exactly:
 3. the rest are simulated in order of their step-time bound, in fixed batches, and a candidate
    whose bound exceeds both the N-th best fitting step time found so far and its family's best
    is *pruned (bound)*: it can enter neither the top N nor its family's best. An ND candidate
-   whose bound passes gets a refined one first (its stages replayed micro-batch by
-   micro-batch), which may still prune it.
+   whose bound passes gets a refined one first (the whole pipeline replayed, every stage's
+   schedule micro-batch by micro-batch against the others'), which may still prune it.
 
 Both bounds are tested against simulated values (``tests/test_search.py``), and the search's
 answers against an exhaustive simulation of the same space. Batches are fixed, so the same
@@ -330,10 +330,12 @@ class Bound:
 class _Costs:
     """Least seconds of kernels and collectives on one topology and precision.
 
-    Kernels: :meth:`ComputeModel.duration_s` of a stand-in op carrying the work's GEMM shapes
-    (exactly the time the simulator charges them; without shapes, the FLOP totals at the
-    large-GEMM rate, which no shape beats) and HBM bytes; attention FLOPs at the device's dense
-    peak, which no kernel exceeds. Collectives: NCCL's isolated time (``CollectiveModel.plan``),
+    Kernels: :meth:`ComputeModel.duration_s` of a stand-in op carrying the work's kernel shapes
+    (GEMMs and attention) and HBM bytes: exactly the time the simulator charges an op of that
+    work (it times an op by its shapes, and a shape's time is linear in its calls, so the
+    units' parts add up to the simulator's merged ops). Without shapes, the FLOP totals at the
+    large-GEMM rate, which no shape beats, and attention FLOPs at the device's dense peak,
+    which no kernel exceeds. Collectives: NCCL's isolated time (``CollectiveModel.plan``),
     stretched, when ``variability`` is credited, by the ``1 + cv · E[max]`` every ring step of
     the symmetric simulation takes (``sim/variability.py``)."""
 
@@ -351,14 +353,23 @@ class _Costs:
         key = (work.gemm, work.attention_forward, work.attention_backward, work.bytes_accessed, work.shapes)
         seconds = self._work.get(key)
         if seconds is None:
-            gemms = tuple(s for s in work.shapes if isinstance(s, Gemm))
-            if gemms:  # the GEMMs at exactly the time the simulator gives their shapes
-                op = SimpleNamespace(duration_s=0.0, flops=(), bytes_accessed=work.bytes_accessed, shapes=gemms)
-            else:  # FLOP totals only: the large-GEMM rate, which no shape beats
-                op = SimpleNamespace(duration_s=0.0, flops=(("gemm", work.gemm),) if work.gemm else (),
-                                     bytes_accessed=work.bytes_accessed, shapes=())
-            seconds = self.compute.duration_s(op)  # type: ignore[arg-type]
-            seconds += (work.attention_forward + work.attention_backward) / self.compute.peak_flops_per_s
+            seconds = None
+            if work.shapes:  # exactly the time the simulator gives an op of these shapes and bytes
+                op = SimpleNamespace(duration_s=0.0, flops=(), bytes_accessed=work.bytes_accessed, shapes=work.shapes)
+                try:
+                    seconds = self.compute.duration_s(op)  # type: ignore[arg-type]
+                except ValueError:  # an attention kernel the device cannot run: the GEMMs only, below
+                    seconds = None
+            if seconds is None:
+                gemms = tuple(s for s in work.shapes if isinstance(s, Gemm))
+                if gemms:  # the GEMMs at exactly the time the simulator gives their shapes
+                    op = SimpleNamespace(duration_s=0.0, flops=(), bytes_accessed=work.bytes_accessed, shapes=gemms)
+                else:  # FLOP totals only: the large-GEMM rate, which no shape beats
+                    op = SimpleNamespace(duration_s=0.0, flops=(("gemm", work.gemm),) if work.gemm else (),
+                                         bytes_accessed=work.bytes_accessed, shapes=())
+                seconds = self.compute.duration_s(op)  # type: ignore[arg-type]
+                # attention FLOPs at the dense peak, which no kernel exceeds
+                seconds += (work.attention_forward + work.attention_backward) / self.compute.peak_flops_per_s
             self._work[key] = seconds
         return seconds
 
@@ -417,6 +428,15 @@ class _UnitCost:
     tensors: tuple[float, ...] = ()  # dense parameter tensors (the implementation's collective calls)
     after_forward_s: float = 0.0  # the compute stream's next kernel waits this long after the forward
     after_backward_s: float = 0.0
+    kernels_s: float = 0.0  # of forward_s + backward_s: the kernels alone (what talking slows)
+    kernels_sq: float = 0.0  # sum of the squares of the unit's compute ops' least durations (fwd + bwd)
+    forward_sq: float = 0.0  # of which the forward's
+    # a pass that is one compute op, then collectives only (no CP, no EP): its kernel time
+    # (0: the pass is not one op and gets no slowdown in _nd_pipeline)
+    forward_kernel_s: float = 0.0
+    backward_kernel_s: float = 0.0
+    launches: float = 0.0  # kernels its forward and backward launch (MPUnit.kernels_*)
+    tp_calls: int = 0  # TP collective calls of its forward and backward (the logits' gather counted)
 
     @property
     def forward_and_wait_s(self) -> float:
@@ -464,6 +484,8 @@ def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: in
         else:  # context parallel: the TP all-reduces follow the MLP (or the remote attention)
             wait_f = after_f = wait_tp_f * (post if u.post else remote)
             wait_b = after_b = wait_tp_b * back_remote
+        simple = not cp and not moe
+        forward_sq = (pre + post) ** 2 if simple else pre ** 2 + remote ** 2 + post ** 2
         fwd = pre + remote + post + tp_f + 2 * a2a + wait_f
         bwd = back + back_remote + tp_b + 2 * a2a + wait_b
         demand: dict[str, float] = {}
@@ -473,7 +495,13 @@ def _unit_costs(costs: _Costs, units: Sequence[MPUnit], deg: ParallelDims, n: in
             costs.add_demand(demand, "all_to_all", u.ep_bytes, ep_ranks, 4)
         out.append(_UnitCost(fwd, bwd, tp_f + tp_b + 4 * a2a + wait_f + wait_b, u.activation_bytes, u.dense_params,
                              u.expert_params, tuple(sorted(demand.items())), u.p2p_bytes,
-                             tuple(u.tensors) or (u.dense_params,), after_f, after_b))
+                             tuple(u.tensors) or (u.dense_params,), after_f, after_b,
+                             kernels_s=pre + remote + post + back + back_remote,
+                             # one op (pre + post) without CP or EP; else pre, remote, post apart
+                             kernels_sq=forward_sq + back ** 2 + back_remote ** 2, forward_sq=forward_sq,
+                             forward_kernel_s=pre + post if simple else 0.0, backward_kernel_s=back if simple else 0.0,
+                             launches=u.kernels_forward + u.kernels_backward,
+                             tp_calls=sum(c for _, c, _ in [*u.tp_calls(True, True), *u.tp_calls(False)])))
     return out
 
 
@@ -525,6 +553,19 @@ def _sharded_demand(costs: _Costs, demand: dict[str, float], params: Sequence[fl
             costs.add_demand(demand, "all_gather", unit_params / p * bw, members("step_ag"), k)
 
 
+def _group_spans(costs: _Costs, sizes: tuple[int, int, int], dp_group: Sequence[int], schedule: Schedule) -> tuple:
+    """Where the data-parallel groups of ``dp_group[0]`` sit (their :class:`GroupSpan`, which
+    alone sets a collective's cost): groups placed alike cost alike, whatever their ranks."""
+    p, g, o = sizes
+    sharding = NestedSharding(p, g, o, (tuple(dp_group),))
+    roles = [("param", 1), ("grad", 1), ("step_rs", 1), ("replica", 1), ("step_ag", 1)]
+    if schedule.hierarchical_gather > 1:
+        roles += [("param_outer", schedule.hierarchical_gather), ("param_inner", schedule.hierarchical_gather)]
+    if schedule.backward_gather_size:
+        roles.append(("secondary", schedule.backward_gather_size))
+    return (len(dp_group), *(costs._span(sharding.group_of(role, dp_group[0], size)[1]) for role, size in roles))
+
+
 @dataclass(frozen=True)
 class _DPUnit:
     """Least seconds of one unit's data-parallel collectives (``_sharded.ShardedParams``), in
@@ -539,7 +580,9 @@ class _DPUnit:
 
 
 def _dp_units(costs: _Costs, units: Sequence[_UnitCost], sizes: tuple[int, int, int], dp_group: Sequence[int],
-              training, schedule: Schedule) -> list[_DPUnit]:
+              training, schedule: Schedule, memo: dict[Any, _DPUnit] | None = None) -> list[_DPUnit]:
+    """Each unit's :class:`_DPUnit` (``memo``: by the unit's parameters and tensors, for one
+    sharding, group placement, training and schedule)."""
     p, g, o = sizes
     sharding = NestedSharding(p, g, o, (tuple(dp_group),))
     rank = dp_group[0]
@@ -569,6 +612,10 @@ def _dp_units(costs: _Costs, units: Sequence[_UnitCost], sizes: tuple[int, int, 
     out = []
     for u in units:
         x, tensors = u.dense_params, u.tensors
+        key = (x, tensors)
+        if memo is not None and key in memo:
+            out.append(memo[key])
+            continue
         if x <= 0:
             out.append(_DPUnit())
             continue
@@ -589,6 +636,8 @@ def _dp_units(costs: _Costs, units: Sequence[_UnitCost], sizes: tuple[int, int, 
             cs("all_reduce", x / o * bg / calls, members("replica"), calls) if replicas > 1 else 0.0,
             cs("all_gather", x / p * bw / calls, members("step_ag"), calls) if o > p else 0.0,
         ))
+        if memo is not None:
+            memo[key] = out[-1]
     return out
 
 
@@ -642,8 +691,12 @@ class Bounder:
       * the chain: a replay of the step's dependencies at those least durations — the
         data-parallel gathers the first forward waits for (prefetch depth and buffer rings
         included), the pipeline's fill and drain with its point-to-point sends, every
-        compute-stream op, the reductions after the last backward, the gradient norm and the
-        optimizer (for the ZeRO family every micro-batch's gathers and reductions);
+        compute-stream op, the reductions after the last backward, the gradient norm (and
+        its straggler, twice: :func:`_norm_s`) and the optimizer (for the ZeRO family every
+        micro-batch's gathers and reductions). A pipeline stage's body is longer by what its
+        reduce-scatters and step-end reductions must slow of its kernels
+        (:func:`_slowed_bodies`); refined, the whole pipeline is replayed, every stage's
+        schedule against the others' (:func:`_nd_pipeline`);
       * the talking: a rank's communication takes at least its busiest stream's serial sum
         and its busiest link's bytes at full rate; what of it overlaps kernels slows them.
 
@@ -665,6 +718,8 @@ class Bounder:
         self._units: dict[tuple, list[_UnitCost]] = {}
         self._demand: dict[tuple, dict[str, float]] = {}
         self._dp: dict[tuple, list[_DPUnit]] = {}
+        self._dp_unit: dict[tuple, dict[Any, _DPUnit]] = {}
+        self._spans: dict[tuple, tuple] = {}
         self._layouts: dict[tuple, Any] = {}
         self._prefix: dict[int, tuple[list[_UnitCost], dict[str, Any]]] = {}
         self._last_action: dict[tuple[int, int, int], tuple[str, int, int]] = {}
@@ -674,8 +729,8 @@ class Bounder:
         # with experts, the dense step-end gather may start before the experts' optimizer ends
         # (outside the window the bound looks at): left out
         step_gather = self.scenario.model.moe is None
-        key = (id(costs), tuple(params), m, sizes, _range_key(dp_group), training.param_element_bytes,
-               training.grad_element_bytes, schedule)
+        key = (id(costs), tuple(params), m, sizes, self.spans(costs, sizes, dp_group, schedule),
+               training.param_element_bytes, training.grad_element_bytes, schedule)
         if key not in self._demand:
             demand: dict[str, float] = {}
             _sharded_demand(costs, demand, params, m, sizes, dp_group, training, schedule, step_gather)
@@ -684,11 +739,19 @@ class Bounder:
 
     def dp_units(self, costs: _Costs, units: list[_UnitCost], lo: int, hi: int, sizes: tuple[int, int, int],
                  dp_group: Sequence[int], training, schedule: Schedule) -> list[_DPUnit]:
-        key = (id(units), lo, hi, sizes, _range_key(dp_group), training.param_element_bytes,
-               training.grad_element_bytes, training.activation_recompute, schedule)
+        spans = self.spans(costs, sizes, dp_group, schedule)
+        key = (id(units), lo, hi, sizes, spans, training.param_element_bytes, training.grad_element_bytes,
+               training.activation_recompute, schedule)
         if key not in self._dp:
-            self._dp[key] = _dp_units(costs, units[lo:hi], sizes, dp_group, training, schedule)
+            memo = self._dp_unit.setdefault(key[3:] + (id(costs),), {})
+            self._dp[key] = _dp_units(costs, units[lo:hi], sizes, dp_group, training, schedule, memo)
         return self._dp[key]
+
+    def spans(self, costs: _Costs, sizes: tuple[int, int, int], dp_group: Sequence[int], schedule: Schedule) -> tuple:
+        key = (id(costs), sizes, _range_key(dp_group), schedule.hierarchical_gather, schedule.backward_gather_size)
+        if key not in self._spans:
+            self._spans[key] = _group_spans(costs, sizes, dp_group, schedule)
+        return self._spans[key]
 
     def prefix(self, unit_costs: list[_UnitCost]) -> dict[str, Any]:
         """Cumulative sums over the units of each cost (sums over any run of units in O(1))."""
@@ -698,7 +761,7 @@ class Bounder:
             levels = sorted({level for u in unit_costs for level, _ in u.link_bytes})
             columns = {attr: [getattr(u, attr) for u in unit_costs] for attr in
                        ("forward_s", "backward_s", "comm_s", "activation_bytes", "dense_params", "expert_params",
-                        "forward_and_wait_s", "backward_and_wait_s")}
+                        "forward_and_wait_s", "backward_and_wait_s", "kernels_s", "kernels_sq")}
             for level in levels:
                 columns["link." + level] = [dict(u.link_bytes).get(level, 0.0) for u in unit_costs]
             for attr, values in columns.items():
@@ -734,7 +797,12 @@ class Bounder:
         return self._costs[key]
 
     def units(self, training, deg: ParallelDims, pp: int, variability: bool = True) -> list[_UnitCost]:
-        key = (training.micro_batch_size, training.activation_recompute, deg, pp if deg.ep > 1 else 1, variability)
+        # a unit as one model-parallel rank runs it does not depend on the pipeline or the data
+        # parallelism (mp_units reads tp, cp, ep, etp, sequence parallelism, the MoE imbalance;
+        # _unit_costs the TP overlap and, for the expert groups' placement, pp): shared by them
+        deg = dataclasses.replace(deg, pp=1, vpp=1, dp=None)
+        pp = pp if deg.ep > 1 else 1
+        key = (training.micro_batch_size, training.activation_recompute, deg, pp, variability)
         if key not in self._units:
             sc = self.scenario
             self._units[key] = _unit_costs(self.costs(training.precision, variability),
@@ -761,9 +829,22 @@ def bound(scenario: Scenario, candidate: Candidate) -> Bound:
     return Bounder(scenario)(candidate)
 
 
-def _norm_s(costs: _Costs, n: int) -> float:
-    """The global gradient-norm all-reduce (one fp32 scalar over every rank, compute stream)."""
-    return costs.collective_s("all_reduce", 4.0, range(n))
+def _norm_s(costs: _Costs, n: int, squares: float = 0.0) -> float:
+    """The global gradient-norm all-reduce (one fp32 scalar over every rank, compute stream),
+    and, given ``squares``, the wait for its straggler twice: in the collective and before the
+    optimizer after it (``Engine._collective`` / ``Engine._stream``).
+
+    The norm is the step's only rendezvous of all ``n`` ranks when ``squares`` is passed, so its
+    slowest member is late by ``cv · E[max of n] · W`` with ``W² `` the sum of the squared
+    stretches of device work since the previous norm (``Stragglers._since``). Each compute op
+    adds its whole duration to the stretch it ends in, and (a + b)² >= a² + b², so W² is at
+    least the sum of the squares of the ops' least durations on the slowest simulated rank:
+    ``squares``. The optimizer after the norm starts when the norm ends and waits the same
+    straggler again (``waited_s`` counts from the norm's end)."""
+    seconds = costs.collective_s("all_reduce", 4.0, range(n))
+    if squares > 0:
+        seconds += 2 * costs.late(n) * math.sqrt(squares)
+    return seconds
 
 
 def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bound:
@@ -803,7 +884,6 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
     sizes = nd._sharding_sizes(cfg.zero_stage, dense_dp)
     ps, gs, os_ = sizes
     block = cfg.tp * cfg.cp * lay.dp
-    norm = _norm_s(costs, n)
     last = bounder.last_action(p, v, m)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
     wait_all = not schedule.effective_overlap_grad_reduce
@@ -827,11 +907,18 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
         held = sum(acts[((k // p) % v) * p + s] for k in range(warmup + (1 if m * v > warmup else 0)))
         memory = max(memory, _static_bytes(dense, sizes, training, schedule.implementation) + held)
     max_up = max(opt_up)
+    # the norm's straggler: the stages' compute ops since the previous norm (every other group
+    # is smaller than the world, so no other rendezvous resets the stretch)
+    moe = scenario.model.moe is not None
+    groups = (cfg.tp, cfg.cp, dense_dp, cfg.ep, n // (cfg.ep * cfg.etp * p) if moe else 1)
+    squares = 0.0
+    if max(groups) < n:
+        squares = max(m * sum(run_sum("kernels_sq", c * p + s) for c in range(v)) + opt_lo[s] ** 2 for s in range(p))
+    norm = _norm_s(costs, n, squares)
 
     # the chain: fill (chunk 0 of micro-batch 0 through the stages, each behind its own step-end
     # gathers), each stage's own work, drain (chunk 0 of the last micro-batch back), reductions
     ends: list[float] = []
-    first_starts: list[float] = []
     readies: list[list[float]] = []
     arrival = -math.inf
     stage_dp: list[list[_DPUnit]] = []
@@ -846,7 +933,6 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
         ready0 = release - early[s]
         all_gathered = ready0 + sum(d.step_ag for d in dpu)
         t = max(release, arrival)
-        first_starts.append(t)
         t_dp = t_ag = ready0
         stage_ready = [ready0] * len(dpu)  # when each local unit's parameters are ready
         for i, d in enumerate(dpu):
@@ -877,14 +963,11 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
         if s + 1 < p:
             arrival = first_forward_end + costs.send_s(unit_costs[hi - 1].p2p_bytes, s * block, (s + 1) * block)
     last_pass = [bwd[s] - unit_costs[spans[s][0]].after_backward_s for s in range(p)]
-    starts = [e - last_pass[s] for s, e in enumerate(ends)]  # the last pass (chunk 0's) begins after the rest
-    if drains:
-        for s in range(p - 2, -1, -1):
-            lo_next = spans[s + 1][0]
-            back = costs.send_s(unit_costs[lo_next].p2p_bytes, (s + 1) * block, s * block)
-            starts[s] = max(starts[s], ends[s + 1] + back)  # ... and after its gradient arrives
-            ends[s] = starts[s] + last_pass[s]
-    norm_ready = -math.inf
+    bodies = [e - last_pass[s] for s, e in enumerate(ends)]  # the last pass (chunk 0's) begins after the rest
+    backs = [costs.send_s(unit_costs[spans[s + 1][0]].p2p_bytes, (s + 1) * block, s * block) for s in range(p - 1)]
+    starts = _drain(bodies, last_pass, backs, drains)
+    ends = [starts[s] + last_pass[s] for s in range(p)]
+    readies_s: list[float] = []
     for s in range(p):
         lo, hi = spans[s]
         dpu = stage_dp[s]
@@ -929,11 +1012,29 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
                     done = t_dp
                 ready = max(ready, done)
         tails.append(ready - z)
-        norm_ready = max(norm_ready, ready)
+        readies_s.append(ready)
         exposed.append(last_chain)
-    if refine and (ps > 1 or gs > 1):
-        norm_ready = max(norm_ready, _nd_replay(bounder, unit_costs, spans, p, v, m, stage_dp, readies, first_starts,
-                                                schedule))
+    norm_ready = max(readies_s)
+    if sd > 0:
+        # talking slows the kernels it overlaps (see _slowed_bodies): the bodies end later
+        after = [readies_s[s] - starts[s] for s in range(p)]  # from the last pass's start to the norm
+        later = _slowed_bodies(bounder, costs, unit_costs, spans, p, v, m, stage_dp, work, after, last_pass, backs,
+                               drains, sizes, block, cfg.tp, training, schedule)
+        if any(later):
+            moved = _drain([b + x for b, x in zip(bodies, later)], last_pass, backs, drains)
+            norm_ready = max(norm_ready, max(moved[s] + after[s] for s in range(p)))
+    if refine:
+        wholes = [_whole_buffer_s(costs, sum(unit_costs[k].dense_params for c in range(v) for k in range(*spans[c * p + s])),
+                                  sizes, range(s * block, (s + 1) * block, cfg.tp), training, schedule) for s in range(p)]
+        # the first step-end reduction's straggler (_nd_pipeline), when its group is the
+        # largest the stage meets after the previous optimizer's step-end gathers
+        group = os_ // gs if os_ > gs else dense_dp // os_
+        others = (cfg.tp, cfg.cp, cfg.ep if moe else 1, gs, ps)
+        first_late = costs.late(group) if group > 1 and max(others) < group and not moe else 0.0
+        piped = _nd_pipeline(costs, unit_costs, spans, p, v, m, block, lambda s: bounder.actions(p, v, m, s), stage_dp,
+                             readies, opt_lo, wholes, schedule, first_late, os_ > ps,
+                             _host_ahead(unit_costs, spans, p, v, m, training, topology, schedule, sizes, moe or cfg.cp > 1))
+        norm_ready = max(norm_ready, piped)
     chain = norm_ready + norm + max(opt_lo) - max_up
     critical = max(range(p), key=lambda s: (ends[s] + tails[s], -s))
 
@@ -965,53 +1066,313 @@ def _nd_bound(bounder: Bounder, cfg: Any, training, refine: bool = False) -> Bou
     return Bound(step, w, tk, max(0.0, chain - w - exp), memory, window, window > chain, exp)
 
 
-def _nd_replay(bounder: Bounder, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,
-               stage_dp: list[list[_DPUnit]], readies: list[list[float]], first_starts: list[float],
-               schedule: Schedule) -> float:
-    """When the norm can start at the earliest, by each stage's own schedule replayed unit by
-    unit with its per-micro-batch data-parallel collectives (ZeRO-2/3: every backward's
-    reduce-scatter and the gradient-buffer ring it fills, ZeRO-3: every use's gather and the
-    prefetch ring), ignoring the other stages after the first forward's arrival."""
+def _drain(bodies: list[float], last_pass: list[float], backs: list[float], drains: bool) -> list[float]:
+    """When each stage's last pass can start: after the rest of its work (``bodies``) and, when
+    every stage ends on chunk 0's last micro-batch (``drains``), after the next stage's last
+    pass and the send of its gradient (``backs[s]``: stage s + 1 to s)."""
+    starts = list(bodies)
+    if drains:
+        for s in range(len(starts) - 2, -1, -1):
+            starts[s] = max(starts[s], starts[s + 1] + last_pass[s + 1] + backs[s])
+    return starts
+
+
+def _slowed_bodies(bounder: Bounder, costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[int, int]],
+                   p: int, v: int, m: int, stage_dp: list[list[_DPUnit]], work: list[float], after: list[float],
+                   last_pass: list[float], backs: list[float], drains: bool, sizes: tuple[int, int, int],
+                   block: int, tp: int, training, schedule: Schedule) -> list[float]:
+    """How much later each stage's body (its passes after the first forward and before the last
+    one) ends than the chain says, because kernels run 1/(1 + slowdown) as fast while the rank
+    talks (``Engine._talk``: any collective it sends in is in flight).
+
+    Stage j's body of length L holds kernels K (at full rate: K_fast + K_slow/(1 + sd) = K),
+    non-kernel time Y >= N (compute-stream collectives, straggler waits, idle; N the chain's)
+    and the rank talks for T of it: the slowed kernel time K_slow >= T - Y, so
+    L = K + Y + K_slow·sd/(1 + sd) >= K + N + sd/(1 + sd)·max(0, T - N) (increasing in Y).
+    A communication stream whose ops all start after the body starts (a backward's gradient
+    reduce-scatters; the step-end reductions) and all end before the gradient norm starts
+    (which waits for them) is busy at least R in the step; of that, x falls after the body's
+    end, and the norm cannot start before the body's end + x, nor before the body's end + D
+    (D: the chain's longest path from there to the norm: this stage's last pass, the drain
+    through the stages before it, their reductions). So T >= R - x, and the norm starts at
+    least at body end + sd'·max(0, R - x - N) + max(D, x), whose least value over x is
+    D + sd'·max(0, R - N - D) (sd' = sd/(1 + sd)): the body ends sd'·max(0, R - N - D) later,
+    whatever x is. The bound takes the busiest such stream."""
+    sdp = costs.slowdown / (1 + costs.slowdown)
+    pre = bounder.prefix(unit_costs)
+    # D: the longest path from a body's end to the norm (the last passes drain down the stages)
+    longest: list[float] = []
+    for j in range(p):
+        d = after[j]
+        if drains and j > 0:
+            d = max(d, last_pass[j] + backs[j - 1] + longest[j - 1])
+        longest.append(d)
+    out = []
+    for j in range(p):
+        dpu = stage_dp[j]
+        dp_group = range(j * block, (j + 1) * block, tp)
+        kernels = sum(pre["kernels_s"][b] - pre["kernels_s"][a] for a, b in (spans[c * p + j] for c in range(v)))
+        # the body's non-kernel time, at most all passes' (a larger N only lowers the bound)
+        non_kernel = work[j] - m * kernels + unit_costs[spans[j][1] - 1].after_forward_s
+        whole = _whole_buffer_s(costs, sum(unit_costs[k].dense_params for c in range(v)
+                                           for k in range(*spans[c * p + j])), sizes, dp_group, training, schedule)
+        busy: dict[str, float] = {}
+        for role, seconds in (("rs", m * sum(d.reduce for d in dpu)),
+                              ("dp", whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu))):
+            name = schedule.stream(role)
+            busy[name] = busy.get(name, 0.0) + seconds
+        talking = max(busy.values(), default=0.0)
+        out.append(sdp * max(0.0, talking - non_kernel - longest[j]))
+    return out
+
+
+def _host_ahead(unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int, training,
+                topology, schedule: Schedule, sizes: tuple[int, int, int], other_calls: bool) -> bool:
+    """Whether every host op of the reported step has ended before the step begins, so that no
+    device op of it waits for its launch or call (the step-end reductions are called after the
+    step's last launch).
+
+    Without synchronisations (no ``sync_*`` of the implementation, asynchronous kernels, calls
+    paid by the training thread) a rank's host ops depend on nothing but each other: the host
+    thread runs them back to back from time 0, and the ops of steps 0 .. k end by (k + 1) x its
+    time per step. Step k begins after every stage ran step k - 1's kernels, at least k x the
+    largest stage's kernel time. A step's host ops are the launches of its compute ops
+    (``Implementation.launch_s`` of their kernels, with the TP calls that follow them) and the
+    calls of its data-parallel collectives and gradient norm; each call costs at most
+    ``call_host_s(1, n)``. Left undecided (False) with parameter gathers, CP or EP calls."""
+    impl = schedule.implementation.on_device(topology.device)
+    if not impl.host:
+        return True
+    if (impl.synchronous or impl.sync_before_gather or impl.sync_after_reduce or impl.sync_after_p2p
+            or impl.calls_from_comm_threads or sizes[0] > 1 or other_calls):
+        return False
+    per_call = impl.call_host_s(1, topology.num_devices)
+    host = kernels = 0.0
+    for s in range(p):
+        local = [unit_costs[k] for c in range(v) for k in range(*spans[c * p + s])]
+        reduce_calls = sum(max(impl.reduce_calls(u.tensors), 1) for u in local if u.dense_params > 0)
+        calls = m * sum(u.tp_calls for u in local) + (m if sizes[1] > 1 else 0) * reduce_calls + 3 * reduce_calls + 3
+        host = max(host, impl.launch_s(m * sum(u.launches for u in local)) + per_call * calls)
+        kernels = max(kernels, m * sum(u.kernels_s for u in local))
+    steps = training.num_steps
+    return steps * host <= (steps - 1) * kernels
+
+
+def _nd_pipeline(costs: _Costs, unit_costs: list[_UnitCost], spans: list[tuple[int, int]], p: int, v: int, m: int,
+                 block: int, actions: Callable[[int], list[tuple[str, int, int]]], stage_dp: list[list[_DPUnit]],
+                 readies: list[list[float]], release: list[float], wholes: list[float | None], schedule: Schedule,
+                 first_late: float = 0.0, step_gathers: bool = False, host_ahead: bool = False) -> float:
+    """When the norm can start at the earliest, by the whole pipeline replayed: every stage's
+    schedule (``nd.pipeline_actions``), pass by pass and unit by unit, each op at its least
+    duration after its dependencies (the previous op of its stream, the activation or gradient
+    sent point to point by the neighbouring virtual stage, the parameters' gathers and prefetch
+    ring, the gradient-buffer ring of the reduce-scatters, the step-end reductions as each
+    unit's last backward ends). Every real time is at least the replayed one: the engine's ops
+    wait for the same dependencies (and more), take at least these durations, and each op's end
+    only grows with the times it depends on.
+
+    Talking slows kernels (``Engine._talk``). A communication stream whose op was started by an
+    earlier op of the compute stream (a reduce-scatter after a backward, a step-end reduction,
+    a point-to-point send, the step-end gathers after the previous optimizer) stays busy from
+    that op's end until the stream's last issued op ends: every queued op's dependencies are
+    done by then, and so is its host call, issued before the launch of the kernel that follows
+    (the step-end reductions are called after the step's last launch: they count only when the
+    host thread is provably ahead). Not counted: a stream shared with another role, or one
+    whose calls are paid on the stream itself (both leave gaps without talking).
+    A pass that is one compute op then collectives, starting at s before that busy end
+    b, runs its kernels 1/(1 + slowdown) as fast until b: it ends at least
+    s + d + sd/(1 + sd)·min(b - s, (1 + sd)·d), which only grows with s and b. (A merged op of
+    several units is slowed at least as much: the replay's collectives between the units only
+    take window time away from its kernels.)
+
+    ``host_ahead``: see :func:`_host_ahead`.
+
+    ``first_late``: the stage's first step-end reduction rendezvouses a group larger than any
+    other of the step since the previous optimizer's step-end gathers, so it starts late by
+    ``first_late`` · W, W² at least the sum of the squared least durations of the compute ops
+    that ended since the last of those gathers (when ``step_gathers``, from the first forward
+    of the unit gathered last, which waits for it; see :func:`_norm_s`)."""
     depth, slots = schedule.effective_prefetch_depth, schedule.reduce_buffers
     reshard = schedule.reshard_after_forward
-    out = -math.inf
+    wait_all = not schedule.effective_overlap_grad_reduce
+    sd = costs.slowdown
+    sdp = sd / (1 + sd)
+    # which streams' busy spells are talking from a kernel's start to their end (see above)
+    impl = schedule.implementation
+    exclusive = {role: sum(schedule.stream(r) == schedule.stream(role) for r in ("ag", "rs", "dp")) == 1
+                 for role in ("rs", "dp")}
+    paid_on_stream = impl.host and impl.calls_from_comm_threads  # call ops, not talking, on the stream
+    rs_talks = exclusive["rs"] and not paid_on_stream
+    dp_talks = exclusive["dp"] and not paid_on_stream
+    # the step-end reductions are issued after the step's last launch: only without a host
+    # thread, or with one provably ahead of the device (_host_ahead), are they started when
+    # their units' last backward ends
+    reductions_talk = dp_talks and (not impl.host or host_ahead)
+    last_vs = p * v - 1
+    # per stage: compute stream (free at t, next kernel waits ``after`` more), its streams
+    t = list(release)
+    after = [0.0] * p
+    t_ag = [-math.inf] * p
+    t_rs = [-math.inf] * p
+    t_fwd = [-math.inf] * p  # pp_fwd send stream
+    t_bwd = [-math.inf] * p
+    # the dp stream: the previous optimizer's step-end gathers, then the reductions
+    t_dp = [max(r, default=-math.inf) for r in readies]
+    gathers_end = list(t_dp)
+    consumed: list[list[float]] = [[] for _ in range(p)]
+    scatters: list[list[float]] = [[] for _ in range(p)]
+    final: list[list[float]] = [[-math.inf] * len(stage_dp[s]) for s in range(p)]
+    reduced = [-math.inf] * p  # when the stage's step-end reductions issued so far end
+    next_reduce = [len(stage_dp[s]) - 1 for s in range(p)]  # reduce_step's order: descending unit index
+    squares = [0.0] * p
+    counting = [not step_gathers or not any(d.step_ag for d in stage_dp[s]) for s in range(p)]
+    late_paid = [not first_late] * p
+    inline = not wait_all and all(w is None for w in wholes)
+    offsets = []
     for s in range(p):
-        dpu, ready = stage_dp[s], readies[s]
         offset = [0]
         for c in range(v):
             lo, hi = spans[c * p + s]
             offset.append(offset[-1] + hi - lo)
-        t, after = first_starts[s], 0.0
-        t_ag = t_rs = -math.inf
-        consumed: list[float] = []
-        scatters: list[float] = []
-        last_rs = -math.inf
-        for kind, c, mb in bounder.actions(p, v, m, s):
-            lo, hi = spans[c * p + s]
-            forward = kind == "F"
-            for k in (range(lo, hi) if forward else range(hi - 1, lo - 1, -1)):
-                i = offset[c] + k - lo
-                d, uc = dpu[i], unit_costs[k]
-                start = t + after
-                gathered = bool(d.gather_fwd) if forward else bool(d.gather_bwd and reshard)
-                if gathered:
-                    slot = len(consumed) - depth - 1
-                    t_ag = max(t_ag, ready[i], consumed[slot] if slot >= 0 else -math.inf) + (
-                        d.gather_fwd if forward else d.gather_bwd)
-                    start = max(start, t_ag)
-                elif forward and mb == 0:
-                    start = max(start, ready[i])
-                if not forward and d.reduce and len(scatters) >= slots:
-                    start = max(start, scatters[-slots])
-                t = start + (uc.forward_s if forward else uc.backward_s)
-                after = uc.after_forward_s if forward else uc.after_backward_s
-                if gathered:
-                    consumed.append(t)
-                if not forward and d.reduce:
-                    t_rs = max(t_rs, t) + d.reduce
-                    scatters.append(t_rs)
-                    last_rs = t_rs
-        out = max(out, t, last_rs)
+        offsets.append(offset)
+    plans = [actions(s) for s in range(p)]
+    position = [0] * p
+    sent: dict[tuple[str, int, int], float] = {}  # (direction, virtual stage, micro-batch) -> arrival
+    sends: dict[tuple[int, int, float], float] = {}
+
+    def send_s(src: int, dst: int, size: float) -> float:
+        key = (src, dst, size)
+        if key not in sends:
+            sends[key] = costs.send_s(size, src * block, dst * block)
+        return sends[key]
+
+    def reduce(s: int) -> None:
+        """Issue the stage's step-end reductions whose turn has come (their units' last
+        backward done), in the dp stream's order."""
+        dpu = stage_dp[s]
+        while next_reduce[s] >= 0 and final[s][next_reduce[s]] > -math.inf:
+            i = next_reduce[s]
+            done = final[s][i]
+            for seconds in (dpu[i].step_rs, dpu[i].replica_ar):
+                if seconds:
+                    if not late_paid[s]:
+                        seconds += first_late * math.sqrt(squares[s])
+                        late_paid[s] = True
+                    t_dp[s] = max(t_dp[s], done) + seconds
+                    done = t_dp[s]
+            reduced[s] = max(reduced[s], done)
+            next_reduce[s] -= 1
+
+    pending = True
+    while pending:
+        pending = progressed = False
+        for s in range(p):
+            plan, dpu, params_ready, offset = plans[s], stage_dp[s], readies[s], offsets[s]
+            # the unit whose step-end gather the dp stream runs last
+            top = max((i for i, d in enumerate(dpu) if d.step_ag), default=-1)
+            while position[s] < len(plan):
+                kind, c, mb = plan[position[s]]
+                vs = c * p + s
+                forward = kind == "F"
+                if forward:
+                    key = ("F", vs - 1, mb)
+                    if vs > 0 and key not in sent:
+                        break
+                else:
+                    key = ("B", vs + 1, mb)
+                    if vs < last_vs and key not in sent:
+                        break
+                incoming = sent.pop(key, -math.inf)
+                lo, hi = spans[vs]
+                now, wait = t[s], after[s]
+                order = range(lo, hi) if forward else range(hi - 1, lo - 1, -1)
+                # a pass whose units wait for nothing but each other may run as one merged op
+                # (nd._Stage.merged: its collectives after all its kernels, one straggler wait
+                # after the pass): its units' waits are charged after the pass, not between
+                free = not any(
+                    (dpu[offset[c] + k - lo].gather_fwd or mb == 0) if forward
+                    else (dpu[offset[c] + k - lo].gather_bwd and reshard) or dpu[offset[c] + k - lo].reduce
+                    for k in list(order)[1:])
+                deferred = 0.0
+                first = True
+                for k in order:
+                    i = offset[c] + k - lo
+                    d, uc = dpu[i], unit_costs[k]
+                    if first:
+                        start = max(now + wait, incoming)
+                        first = False
+                    elif free:
+                        deferred += wait
+                        start = now
+                    else:
+                        start = now + wait
+                    gathered = bool(d.gather_fwd) if forward else bool(d.gather_bwd and reshard)
+                    if gathered:
+                        slot = len(consumed[s]) - depth - 1
+                        t_ag[s] = max(t_ag[s], params_ready[i], consumed[s][slot] if slot >= 0 else -math.inf) + (
+                            d.gather_fwd if forward else d.gather_bwd)
+                        start = max(start, t_ag[s])
+                    elif forward and mb == 0:
+                        start = max(start, params_ready[i])
+                    if not forward and d.reduce and len(scatters[s]) >= slots:
+                        start = max(start, scatters[s][-slots])
+                    if forward:
+                        seconds, kernel, wait = uc.forward_s, uc.forward_kernel_s, uc.after_forward_s
+                    else:
+                        seconds, kernel, wait = uc.backward_s, uc.backward_kernel_s, uc.after_backward_s
+                    if sd and kernel:
+                        busy = max(t_rs[s] if rs_talks else -math.inf, gathers_end[s] if dp_talks else -math.inf,
+                                   t_dp[s] if reductions_talk else -math.inf, t_fwd[s], t_bwd[s])
+                        if busy > start:
+                            seconds += sdp * min(busy - start, (1 + sd) * kernel)
+                    now = start + seconds
+                    if counting[s]:
+                        squares[s] += uc.forward_sq if forward else uc.kernels_sq - uc.forward_sq
+                    elif forward and mb == 0 and i == top:
+                        counting[s] = True
+                        squares[s] += uc.forward_sq
+                    if gathered:
+                        consumed[s].append(now)
+                    if not forward:
+                        done = now
+                        if d.reduce:
+                            t_rs[s] = max(t_rs[s], now) + d.reduce
+                            scatters[s].append(t_rs[s])
+                            done = t_rs[s]
+                        if mb == m - 1:
+                            final[s][i] = done
+                            if inline:
+                                reduce(s)
+                t[s], after[s] = now, deferred + wait
+                if forward and vs < last_vs:
+                    dst = (s + 1) % p
+                    t_fwd[s] = max(t_fwd[s], now) + send_s(s, dst, unit_costs[hi - 1].p2p_bytes)
+                    sent[("F", vs, mb)] = t_fwd[s]
+                elif not forward and vs > 0:
+                    dst = (s - 1) % p
+                    t_bwd[s] = max(t_bwd[s], now) + send_s(s, dst, unit_costs[lo].p2p_bytes)
+                    sent[("B", vs, mb)] = t_bwd[s]
+                position[s] += 1
+                progressed = True
+            pending |= position[s] < len(plan)
+        assert progressed or not pending, "pipeline replay deadlocked"
+    out = -math.inf
+    for s in range(p):
+        dpu = stage_dp[s]
+        end = t[s]
+        ready = max(end, *final[s], reduced[s])
+        whole = wholes[s]
+        if whole is not None:
+            ready = max(ready, max(t_dp[s], end if wait_all else -math.inf, *final[s]) + whole)
+        elif not inline:
+            for i in range(next_reduce[s], -1, -1):  # descending unit index, as reduce_step issues them
+                done = final[s][i]
+                for seconds in (dpu[i].step_rs, dpu[i].replica_ar):
+                    if seconds:
+                        t_dp[s] = max(t_dp[s], done, end if wait_all else -math.inf) + seconds
+                        done = t_dp[s]
+                ready = max(ready, done)
+        out = max(out, ready)
     return out
 
 
@@ -1122,7 +1483,13 @@ def _family_bound(bounder: Bounder, name: str, cfg: Any, training) -> Bound:
                     done = t_dp
             norm_ready = max(norm_ready, done)
         tail = d0.reduce + d0.step_rs + d0.replica_ar
-    norm = _norm_s(costs, n)
+    # the norm's straggler, when no other rendezvous of the world resets its stretch
+    world = deg.data_parallel(n) * deg.cp
+    groups = [p, g, o, world // o, deg.tp, deg.cp, deg.ep] + ([expert_world] if expert else [])
+    squares = 0.0
+    if max(groups) < n:
+        squares = m * sum(u.kernels_sq for u in unit_costs) + opt_dense ** 2 + opt_expert ** 2
+    norm = _norm_s(costs, n, squares)
     chain = norm_ready + norm + optimizer
 
     # the talking: streams' serial sums and the links' bytes in the step (with experts, less

@@ -103,6 +103,55 @@ def test_bounds_never_exceed_the_simulation(data, every, tightness):
     assert sum(tight) / len(tight) > tightness
 
 
+GPT3 = {
+    "model": "gpt3-175b",
+    "training": {"global_batch_size": 2048},
+    "cluster": {"preset": "dgx-a100", "num_nodes": 128},
+    "strategy": {"name": "zero", "stage": 3},
+}  # benchmarks/bench_search.py's scenario
+
+
+def _nd(tp, pp, vpp, zero, sp, mb, rc="none"):
+    fields = {"tp": tp, "pp": pp, "vpp": vpp, "cp": 1, "ep": 1, "zero_stage": zero, "sequence_parallel": sp}
+    return S.Candidate("nd", tuple(sorted(fields.items())), mb, rc)
+
+
+# GPT-3 175B layouts around the search's answer: ZeRO-2 pipelines whose reduce-scatters slow
+# their kernels and fill their gradient-buffer ring, interleaved pipelines whose merged passes
+# and step-end reductions set the drain, the best layout itself
+GPT3_LAYOUTS = [
+    _nd(2, 16, 4, 2, True, 1), _nd(4, 8, 4, 2, True, 2), _nd(4, 16, 2, 2, True, 2),
+    _nd(8, 16, 4, 1, True, 2), _nd(8, 16, 4, 0, True, 4, "selective"), _nd(4, 8, 4, 1, True, 1),
+]
+GPT3_MORE = [
+    _nd(2, 16, 4, 2, False, 1, "selective"), _nd(8, 4, 4, 1, True, 4), _nd(4, 16, 4, 0, True, 1),
+    _nd(2, 8, 3, 2, True, 1), _nd(8, 16, 1, 2, True, 2, "full"), _nd(4, 4, 1, 2, True, 4),
+    _nd(4, 16, 4, 3, False, 1, "selective"), _nd(8, 4, 1, 3, True, 2, "full"), _nd(8, 8, 4, 0, True, 4, "selective"),
+    _nd(8, 16, 2, 1, True, 4, "full"), _nd(2, 16, 4, 1, False, 2, "selective"),
+    S.Candidate("megatron_fsdp", (("outer_optim_sharding", True), ("shard_group_size", 32)), 2, "full"),
+    S.Candidate("mics", (("hierarchical_params_gather", False), ("partition_size", 128)), 2, "full"),
+]
+
+
+def test_bounds_hold_at_gpt3_scale():
+    """The bounds stay below the simulation, and close to it, on the search benchmark's own
+    scale (GPT-3 175B, 1,024 A100s): the layouts whose pruning decides its answer."""
+    scenario = small_scenario(GPT3)
+    assert all(S.check(scenario, c) is None for c in GPT3_LAYOUTS)
+    tight = _check_bounds(scenario, GPT3_LAYOUTS)
+    assert len(tight) == len(GPT3_LAYOUTS)
+    assert min(tight) > 0.9, tight  # the refined bound within 10 %
+
+
+@pytest.mark.slow
+def test_bounds_hold_at_gpt3_scale_more():
+    scenario = small_scenario(GPT3)
+    candidates = [c for c in GPT3_MORE if S.check(scenario, c) is None]
+    assert len(candidates) == len(GPT3_MORE)
+    tight = _check_bounds(scenario, candidates)
+    assert len(tight) == len(candidates)
+
+
 IMPLEMENTATIONS = {
     "zero": ["deepspeed-2021", "fsdp1", "fsdp2", "ideal"],
     "hsdp": ["fsdp1", "deepspeed", "ideal"],

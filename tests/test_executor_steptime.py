@@ -179,10 +179,10 @@ def test_the_hop_delay_adds_to_every_measured_collective():
 
 
 def test_build_profile_carries_the_measured_mechanisms():
-    """Two ranks at sharing factor 2 (1 core between them): the device gets the CPU costs alone
-    on a core (thread CPU, not wall), a pool of 1/2 + 1/2 = 1 core, each collective's CPU per
-    member less the issue's, and the wait left of its back-to-back time: the sweep ran both
-    members' CPU work on that one core, i.e. at 2x its CPU seconds."""
+    """Two ranks at sharing factor 2 (1 core between them). With the CPU pool the device gets
+    the CPU costs alone on a core (thread CPU, not wall), a pool of 1/2 + 1/2 = 1 core, each
+    collective's back-to-back time and its CPU per member less the issue's; by default the wall
+    costs at the calibration's load and no pool."""
     sizes = (4096, 1 << 20)
     collectives = [{"kind": k, "group_size": 2, "size_bytes": s, "time_s": 3e-3 + 3e-9 * s,
                     "cpu_s": 1e-4 + 5e-4 + 1e-9 * s} for k in ("all_gather", "reduce_scatter") for s in sizes]
@@ -194,7 +194,7 @@ def test_build_profile_carries_the_measured_mechanisms():
             "framework": {"fsdp2_call_s": 2e-3, "dtensor_op_s": 2e-4, "fsdp2_call_cpu_s": 1e-3, "dtensor_op_cpu_s": 1e-4},
             "in_step_marks": [{"kind": c["kind"], "group_size": 2, "size_bytes": c["size_bytes"], "marks": []}
                               for c in collectives]}
-    profile = build_profile([rank, rank], 2)
+    profile = build_profile([rank, rank], 2, cpu_pool=True)
     device = profile["device"]
     assert device["node_cpu_cores"] == pytest.approx(1.0)
     assert device["peak_fp32_flops_per_s"] == pytest.approx(2e10) and device["memory_bytes_per_s"] == pytest.approx(2e9)
@@ -202,8 +202,13 @@ def test_build_profile_carries_the_measured_mechanisms():
     assert device["fsdp2_call_host_s"] == pytest.approx(1e-3) and device["dtensor_op_host_s"] == pytest.approx(1e-4)
     assert [r[:2] for r in device["collective_costs"]] == [["all_gather", 2], ["reduce_scatter", 2]]
     assert device["collective_cpu_costs"][0][2:] == pytest.approx([5e-4, 1e-9])
-    assert device["collective_costs"][0][2:] == pytest.approx([3e-3 - 2 * 5e-4, 3e-9 - 2 * 1e-9])
-    assert profile["measurements"]["at_calibration_load"]["collective_costs"][0][2:] == pytest.approx([3e-3, 3e-9])
+    assert device["collective_costs"][0][2:] == pytest.approx([3e-3, 3e-9])
+    # the default profile: wall time at the calibration's load, no pool
+    plain = build_profile([rank, rank], 2)["device"]
+    assert "node_cpu_cores" not in plain and "collective_cpu_costs" not in plain
+    assert plain["peak_fp32_flops_per_s"] == pytest.approx(1e10) and plain["kernel_launch_s"] == pytest.approx(2e-5)
+    assert plain["collective_call_s"] == pytest.approx(2e-4) and plain["fsdp2_call_host_s"] == pytest.approx(2e-3)
+    assert plain["collective_costs"] == device["collective_costs"]
 
 
 def test_at_load_scales_every_cpu_cost_and_the_prediction():
@@ -280,35 +285,39 @@ def test_the_pool_counts_a_simulated_rank_for_the_ranks_it_stands_for():
     assert simulate(graph, _pool_topology(8.0), _unit()).end_s[op] == pytest.approx(1.0)
 
 
-def test_a_collectives_cpu_work_competes_with_the_ranks_compute():
-    """Two ranks on 1 core; each starts 1 CPU-second of compute and a 2-rank all-gather whose
-    measured wait is 1 ms + 0.8 ns/B and CPU work 0.5 s per member. The wait (no core) runs
-    first, beside the compute at demand 2 -> rate 1/2; then the collective's CPU work joins:
-    demand 4 -> rate 1/4 until the CPU work ends; then the rest of the compute at 1/2."""
+def test_a_collective_on_the_pool_runs_its_measured_time_and_slows_with_compute():
+    """Two ranks on 1 core; each starts 1 CPU-second of compute and a 2-rank all-gather measured
+    at 1 ms + 0.8 ns/B back to back, its backend threads using 1/2 of a core meanwhile (CPU
+    0.5 x that time). Demand 1 + 1 (compute) + 1/2 + 1/2 (the call) = 3 on 1 core: everything
+    at 1/3 until the call's work is done, then the compute at 1/2. A call alone on the node runs
+    at its measured time: it is its floor."""
     from hzpsim.ops import OpGraph
     from hzpsim.sim.engine import simulate
 
-    topology = _pool_topology(1.0, world=2, cpu_costs=(("all_gather", 2, 0.5, 0.0),))
+    size = 1e6
+    measured = 1e-3 + 8e-10 * size  # COSTS: the 2-rank all-gather row
+    topology = _pool_topology(1.0, world=2, cpu_costs=(("all_gather", 2, 0.5 * measured, 0.0),))
     graph = OpGraph(2, {0: 1, 1: 1}, "fp32")
     group = graph.add_group("pair", [0, 1])
-    size = 1e6
     ag = graph.collective("all_gather", group, [0, 1], size, "ag", "gather", "comm")
     work = [graph.compute(r, f"w{r}", "forward", _second(topology)) for r in (0, 1)]
     trace = simulate(graph, topology, _unit())
-    wait = 1e-3 + 8e-10 * size  # COSTS: the 2-rank all-gather row
-    cpu_end = wait + 0.5 * 4
-    assert trace.end_s[ag] == pytest.approx(cpu_end)
-    assert trace.end_s[work[0]] == pytest.approx(cpu_end + (1.0 - wait / 2 - 0.5) * 2)
+    call_end = measured * 3
+    assert trace.end_s[ag] == pytest.approx(call_end)
+    assert trace.end_s[work[0]] == pytest.approx(call_end + (1.0 - call_end / 3) * 2)
     assert trace.end_s[work[1]] == pytest.approx(trace.end_s[work[0]])
+    alone = OpGraph(2, {0: 1, 1: 1}, "fp32")
+    op = alone.collective("all_gather", alone.add_group("pair", [0, 1]), [0, 1], size, "ag", "gather", "comm")
+    assert simulate(alone, topology, _unit()).end_s[op] == pytest.approx(measured)
 
 
 def test_a_pooled_device_charges_the_cpu_work_instead_of_the_hop_delay():
     topology = _pool_topology(2.0, cpu_costs=(("reduce_scatter", 4, 1e-3, 2e-9),))
     topology.device = dataclasses.replace(topology.device, collective_hop_delay_s=1e-3)
     plan = CollectiveModel(topology).plan("reduce_scatter", 1e6, topology.span([0, 1, 2, 3]))
-    assert plan.latency_s == pytest.approx(5e-3)  # the measured wait, no hops
+    assert plan.latency_s == pytest.approx(5e-3)  # the measured time, no hops
     assert plan.cpu_s == pytest.approx(1e-3 + 2e-9 * 1e6)
-    assert plan.isolated_time_s == pytest.approx(5e-3 + 4e-9 * 1e6 + plan.cpu_s)
+    assert plan.isolated_time_s == pytest.approx(5e-3 + 4e-9 * 1e6)
     assert plan.repeated(3).cpu_s == pytest.approx(3 * plan.cpu_s)
     assert plan.stretched(2.0).cpu_s == pytest.approx(plan.cpu_s)
 

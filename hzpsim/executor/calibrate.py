@@ -656,29 +656,18 @@ def fit_fabric(rows: list[dict[str, Any]]) -> tuple[float, float]:
     return latency, 1.0 / inverse_bandwidth
 
 
-def _pool_split(time_fits: list[list[Any]], cpu_fits: list[list[Any]], slowdown: float) -> list[list[Any]]:
-    """The part of each collective that waits without a core: the back-to-back time's latency
-    and seconds per byte less the CPU work's, which took ``slowdown`` times its CPU seconds in
-    the sweep (every rank was in a call, so the pool ran them at cores / ranks); >= 0."""
-    cpu = {(k, g): (a, b) for k, g, a, b in cpu_fits}
-    out = []
-    for kind, g, latency, per_byte in time_fits:
-        a, b = cpu.get((kind, g), (0.0, 0.0))
-        out.append([kind, g, max(latency - a * slowdown, 0.0), max(per_byte - b * slowdown, 0.0)])
-    return out
-
-
-def build_profile(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
+def build_profile(per_rank: list[dict[str, Any]], world: int, cpu_pool: bool = False) -> dict[str, Any]:
     """The profile from every rank's measurements (compute: mean over ranks; collectives: the
     slowest rank of each group, i.e. when the call completes everywhere; CPU per call: the mean).
 
-    The device is written for the simulator's CPU pool (``Device.node_cpu_cores``): compute and
-    host costs are CPU seconds of a rank alone on a core (the benchmarks' thread CPU time, not
-    their wall time, which includes waiting for a core), the pool's size is the CPU seconds all
-    ranks spent per second of wall while every rank worked (world / sharing factor), each
-    collective's CPU work per member is ``collective_cpu_costs`` and what is left of its
-    back-to-back time, the wait, ``collective_costs``. The wall-time rates at the calibration's
-    load stay in ``measurements``."""
+    By default every cost is the wall time it took while every rank worked (a rank's share of
+    the cores at the calibration's load). With ``cpu_pool`` (experimental, docs/executor.md)
+    the device is written for the simulator's CPU pool (``Device.node_cpu_cores``) instead:
+    compute and host costs are CPU seconds of a rank alone on a core (the benchmarks' thread
+    CPU time, not their wall time, which includes waiting for a core), the pool's size is the
+    CPU seconds all ranks spent per second of wall while every rank worked (Σ 1 / sharing
+    factor), and ``collective_cpu_costs`` the CPU each call's members' backend threads spent
+    during it. Both carry each collective's back-to-back time (``collective_costs``)."""
     def mean_rows(key: str, fields: tuple[str, ...]) -> list[dict[str, Any]]:
         return [{**row, **{f: statistics.mean(r[key][i][f] for r in per_rank) for f in fields}}
                 for i, row in enumerate(per_rank[0][key])]
@@ -698,28 +687,29 @@ def build_profile(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
     in_step = in_step_times([r["in_step_marks"] for r in per_rank], world)
     framework = [r["framework"] for r in per_rank if r["framework"]["fsdp2_call_s"] >= 0]
     call_cpu = max(issue_cpu.values())
+    basis = "cpu_" if cpu_pool else ""  # the rates' and host costs' keys: alone on a core, or wall at load
+    flops = statistics.median(g[basis + "flops_per_s"] for g in gemm)
     device: dict[str, Any] = {
-        "name": "cpu-local",
-        "peak_fp32_flops_per_s": statistics.median(g["cpu_flops_per_s"] for g in gemm),
-        "memory_bytes_per_s": statistics.median(m["cpu_bytes_per_s"] for m in memory),
+        "name": "cpu-local", "peak_fp32_flops_per_s": flops, "peak_bf16_flops_per_s": flops,
+        "peak_fp16_flops_per_s": flops, "memory_bytes_per_s": statistics.median(m[basis + "bytes_per_s"] for m in memory),
         # host costs: one ATen op of an eager training step, one collective issued
-        "kernel_launch_s": statistics.mean(r["eager_op_cpu_s"] for r in per_rank), "collective_call_s": call_cpu,
-        "node_cpu_cores": cores}
-    device["peak_bf16_flops_per_s"] = device["peak_fp16_flops_per_s"] = device["peak_fp32_flops_per_s"]
+        "kernel_launch_s": statistics.mean(r["eager_op_cpu_s"] for r in per_rank) if cpu_pool else eager_op,
+        "collective_call_s": call_cpu if cpu_pool else max(issue.values())}
+    suffix = "_cpu_s" if cpu_pool else "_s"
     if framework:
-        device["fsdp2_call_host_s"] = statistics.mean(f["fsdp2_call_cpu_s"] for f in framework)
-        device["dtensor_op_host_s"] = statistics.mean(f["dtensor_op_cpu_s"] for f in framework)
-        if all("asynchzp_op_cpu_s" in f for f in framework):
-            device["asynchzp_op_host_s"] = statistics.mean(f["asynchzp_op_cpu_s"] for f in framework)
-    # per kind and group size, from the back-to-back sweep (every member in the call): the CPU
-    # its backend threads spend per member (less the issue, which the simulator charges the
-    # caller) and the wait that is left (collectives_in_step, where the others compute around
-    # the call, is kept for comparison: see docs/executor.md)
-    time_fits = fit_collectives(collectives)
+        device["fsdp2_call_host_s"] = statistics.mean(f["fsdp2_call" + suffix] for f in framework)
+        device["dtensor_op_host_s"] = statistics.mean(f["dtensor_op" + suffix] for f in framework)
+        if all("asynchzp_op" + suffix in f for f in framework):
+            device["asynchzp_op_host_s"] = statistics.mean(f["asynchzp_op" + suffix] for f in framework)
+    # per kind and group size, from the back-to-back sweep (every member in the call): its time
+    # and the CPU its backend threads spend per member meanwhile (less the issue, which the
+    # simulator charges the caller); collectives_in_step, where the others compute around the
+    # call, is kept for comparison (docs/executor.md)
+    device["collective_costs"] = fit_collectives(collectives)
     cpu_fits = fit_collectives([{**row, "time_s": row["cpu_s"] - call_cpu} for row in collectives
                                 if row["cpu_s"] - call_cpu > 0])
-    device["collective_cpu_costs"] = cpu_fits
-    device["collective_costs"] = _pool_split(time_fits, cpu_fits, max(1.0, world / cores))
+    if cpu_pool:
+        device.update(node_cpu_cores=cores, collective_cpu_costs=cpu_fits)
     if in_step:
         device["collective_hop_delay_s"] = hop_delay(collectives, in_step)  # not charged with the pool
     return {
@@ -733,12 +723,7 @@ def build_profile(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
                          "autograd_op_s": autograd_op, "eager_op_s": eager_op,
                          "eager_ops_per_probe_step": per_rank[0]["eager_ops_per_step"], "call_issue_s": issue,
                          "call_issue_cpu_s": issue_cpu, "sharing_factor": sharing,
-                         # the wall-time costs while every rank works, at this load
-                         "at_calibration_load": {
-                             "peak_fp32_flops_per_s": statistics.median(g["flops_per_s"] for g in gemm),
-                             "memory_bytes_per_s": statistics.median(m["bytes_per_s"] for m in memory),
-                             "kernel_launch_s": eager_op, "collective_call_s": max(issue.values()),
-                             "collective_costs": time_fits},
+                         "node_cpu_cores": cores, "collective_cpu_costs": cpu_fits,
                          "framework_host": framework,
                          "collectives": collectives, "collectives_in_step": in_step},
         "source": f"hzpsim calibrate machine --world {world} on {platform.node()} "
@@ -762,7 +747,7 @@ def _bar(log: Path, stream: TextIO, state: dict[str, str]) -> None:
 
 
 def calibrate_machine(world: int, out: str | None, quick: bool = False, progress: TextIO | None = None,
-                      refit=None) -> Path:
+                      refit=None, cpu_pool: bool = False) -> Path:
     """Run the benchmarks on ``world`` processes and write the profile; returns its path.
 
     ``refit(collectives, world) -> cluster fields`` replaces the ring-formula fit of the fabric
@@ -779,7 +764,7 @@ def calibrate_machine(world: int, out: str | None, quick: bool = False, progress
             _bar(Path(tmp) / "rank0.log", progress, state)
             progress.write("\n")
         per_rank = json.loads((Path(tmp) / "bench.json").read_text(encoding="utf-8"))
-    profile = build_profile(per_rank, world)
+    profile = build_profile(per_rank, world, cpu_pool)
     if refit is not None:
         profile["measurements"]["ring_formula_fit"] = dict(profile["cluster"])
         profile["cluster"].update(refit(profile["measurements"]["collectives"], world))

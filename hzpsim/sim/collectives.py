@@ -63,17 +63,17 @@ _TREE_PROTOCOL_BW = (1 / 3.8, 120 / 128, 1.0)
 
 @dataclass(frozen=True)
 class CollectivePlan:
-    """How one rank experiences a collective: a fixed latency, then bandwidth-bound bytes, then
-    (on a device with a CPU pool) the CPU work of its backend's threads."""
+    """How one rank experiences a collective: a fixed latency, then bandwidth-bound bytes."""
 
     algorithm: str
     protocol: str
     latency_s: float
     bytes_by_level: dict[str, float]  # bytes this rank sends across each level (reported)
     demand_by_level: dict[str, float]  # bytes / protocol efficiency: what occupies the link
-    isolated_time_s: float  # latency + bandwidth time (+ cpu_s) with no other traffic
-    # CPU seconds each member's backend threads spend on the call (Device.collective_cpu_costs),
-    # run through the node's CPU pool by the engine (Device.node_cpu_cores); 0 elsewhere
+    isolated_time_s: float  # latency + bandwidth time with no other traffic
+    # CPU seconds each member's backend threads spend during the call (Device.collective_cpu_costs):
+    # on a device with a CPU pool (Device.node_cpu_cores) the engine runs the call at the share
+    # of a core cpu_s / isolated_time_s; 0 elsewhere
     cpu_s: float = 0.0
 
     def stretched(self, factor: float) -> CollectivePlan:
@@ -81,8 +81,7 @@ class CollectivePlan:
         the CPU work stays what it is)."""
         return CollectivePlan(
             self.algorithm, self.protocol, self.latency_s * factor, dict(self.bytes_by_level),
-            {k: v * factor for k, v in self.demand_by_level.items()},
-            (self.isolated_time_s - self.cpu_s) * factor + self.cpu_s, self.cpu_s,
+            {k: v * factor for k, v in self.demand_by_level.items()}, self.isolated_time_s * factor, self.cpu_s,
         )
 
     def repeated(self, count: int) -> CollectivePlan:
@@ -160,7 +159,7 @@ class CollectiveModel:
         demand = {lvl: b / factor if lvl in INTER_NODE_LEVELS else b for lvl, b in plan.demand_by_level.items()}
         bw_time = max((b / self.bandwidth(lvl) for lvl, b in demand.items()), default=0.0)
         return CollectivePlan(plan.algorithm, plan.protocol, plan.latency_s, dict(plan.bytes_by_level), demand,
-                              plan.latency_s + bw_time + plan.cpu_s, plan.cpu_s)
+                              plan.latency_s + bw_time, plan.cpu_s)
 
     # ------------------------------------------------------------------ internals
 
@@ -234,7 +233,7 @@ class CollectiveModel:
         seconds = per_byte_s * size
         return CollectivePlan("measured", "backend", latency_s, dict(plan.bytes_by_level),
                               {level: seconds * self.bandwidth(level)} if seconds > 0 else {},
-                              latency_s + seconds + cpu_s, cpu_s)
+                              latency_s + seconds, cpu_s)
 
     def _nccl_plan(self, kind: str, size: float, span: GroupSpan, pair_level: str | None) -> CollectivePlan:
         n = span.num_ranks

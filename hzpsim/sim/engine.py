@@ -108,9 +108,10 @@ class Engine:
         # every compute op of a rank, host dispatch included, pauses while one of its
         # collectives moves bytes (the collective's time was measured with the cores to itself)
         # A device with a CPU pool (Device.node_cpu_cores: a CPU node calibrated by `hzpsim
-        # calibrate machine`) shares its node's cores among every piece of work that needs one:
-        # each rank's compute and host ops and its collectives' CPU work (CollectivePlan.cpu_s)
-        # progress at min(1, cores / demand), demand being the work items running on the node,
+        # calibrate machine`) shares its node's cores among the work that needs them: each
+        # rank's compute and host ops (a core each) and its collectives (the measured call, at
+        # the share of a core its backend threads used back to back, CollectivePlan.cpu_s)
+        # progress at min(1, cores / demand), demand summed over the work running on the node,
         # each simulated rank counting for the ranks it stands for (its weight, at most a node's
         # devices). This is processor sharing, as Linux's fair scheduler shares cores among
         # runnable threads (kernel/sched/fair.c); a rank that waits leaves its share to the others.
@@ -266,12 +267,13 @@ class Engine:
 
     # ------------------------------------------------------------------ CPU pool
 
-    def _pool_start(self, rank: int, seconds: float, done: _Waiter) -> _Waiter:
-        """Run ``seconds`` of CPU work (alone on a core) for ``rank`` on its node's pool;
-        ``done`` is triggered when it is finished."""
+    def _pool_start(self, rank: int, seconds: float, done: _Waiter, cores: float = 1.0) -> _Waiter:
+        """Run ``seconds`` of work (alone, at full speed) for ``rank`` on its node's pool,
+        needing ``cores`` of a core at full speed (1 for a thread that computes); ``done`` is
+        triggered when it is finished."""
         node = self._node_of[rank]
         job = _Running(None, seconds, 0.0, self.env._now, done)
-        job.node, job.demand = node, self._pool_share[rank]
+        job.node, job.demand = node, self._pool_share[rank] * cores
         self._pool_jobs[node].append(job)
         self._pool_demand[node] += job.demand
         self._pool_rerate(node)
@@ -286,11 +288,13 @@ class Engine:
         self._pool_rerate(job.node)
 
     def _pool_rerate(self, node: int) -> None:
-        """The node's demand changed: every job on it progresses at min(1, cores / demand)."""
+        """The node's demand changed: every job on it that needs a core progresses at
+        min(1, cores / demand) (one that needs none, a wait, at full speed)."""
         now = self.env._now
         demand = self._pool_demand[node]
-        rate = min(1.0, self.pool_cores / demand) if demand > 0 else 1.0  # type: ignore[operator]
+        shared = min(1.0, self.pool_cores / demand) if demand > 0 else 1.0  # type: ignore[operator]
         for job in self._pool_jobs[node]:
+            rate = shared if job.demand > 0 else 1.0
             if job.rate == rate:
                 continue
             job.remaining_s -= (now - job.since_s) * job.rate
@@ -346,7 +350,12 @@ class Engine:
             for rank in op.ranks:
                 if late_s > straggler.get(rank, (0.0, 0.0))[1]:
                     straggler[rank] = (now, late_s)
-        if wait_s > 0:
+        if self.pool_cores:
+            if late_s > 0:
+                call_after(self.env, late_s, lambda _event: self._pooled(op, plan))
+            else:
+                self._pooled(op, plan)
+        elif wait_s > 0:
             call_after(self.env, wait_s, lambda _event: self._transfer(op, plan))
         else:
             self._transfer(op, plan)
@@ -377,19 +386,19 @@ class Engine:
 
     def _transfer(self, op: Op, plan: CollectivePlan) -> None:
         if not plan.demand_by_level:
-            self._moved(op, plan)
+            self._finish(op)
             return
         senders = op.senders
         if len(senders) == 1:
             def one_finished() -> None:
-                self._moved(op, plan)
+                self._finish(op)
         else:
             pending = [len(senders)]
 
             def one_finished() -> None:
                 pending[0] -= 1
                 if pending[0] == 0:
-                    self._moved(op, plan)
+                    self._finish(op)
 
         flows = self._flows
         for rank in senders:
@@ -405,12 +414,16 @@ class Engine:
             else:
                 self.networks[rank].transfer({}, one_finished, template)
 
-    def _moved(self, op: Op, plan: CollectivePlan) -> None:
-        """The collective's bytes have moved; on a CPU pool its members' backend threads still
-        do the call's CPU work (copies, reductions, TCP loopback) before it completes."""
-        if not (self.pool_cores and plan.cpu_s > 0):
+    def _pooled(self, op: Op, plan: CollectivePlan) -> None:
+        """A collective on a CPU pool: each member runs the call's measured back-to-back time
+        as pool work that needs the share of a core its backend threads used back to back
+        (CollectivePlan.cpu_s / isolated_time_s). The measured time is the call's floor (a
+        ring's hops follow each other); ranks that compute meanwhile slow it down."""
+        seconds = plan.isolated_time_s
+        if seconds <= 0:
             self._finish(op)
             return
+        share = min(plan.cpu_s / seconds, 1.0)
         pending = [len(op.ranks)]
 
         def one_done(_event: Any) -> None:
@@ -421,7 +434,7 @@ class Engine:
         for rank in op.ranks:
             done = _Waiter()
             done.callbacks.append(one_done)
-            self._pool_start(rank, plan.cpu_s, done)
+            self._pool_start(rank, seconds, done, share)
 
     # ------------------------------------------------------------------ run
 

@@ -27,6 +27,7 @@ from hzpsim.executor.calibrate import (
     fit_collectives,
     fit_kind,
     hop_delay,
+    in_step_costs,
     in_step_times,
 )
 from hzpsim.sim.collectives import CollectiveModel, gloo_hops
@@ -112,6 +113,20 @@ def test_the_framework_host_cost_lengthens_the_predicted_step(strategy, field, v
     assert more - base >= 0.9 * minimum, (base, more)
 
 
+def test_fsdp2_holds_the_training_thread_in_every_call_on_a_cpu(monkeypatch):
+    """FSDP2 issues its gathers and reduce-scatters with ``async_op=False``; on gloo the thread
+    waits in each: a ZeRO-3 rank's 24 gathers, 12 reduce-scatters and the norm's all-reduce
+    (10 ms each here, everything else cheap) follow one another and the compute, so the step
+    is at least their sum. Without the wait the backward's gathers and reduce-scatters overlap."""
+    rows = [[kind, 4, 1e-2, 0.0] for kind in ("all_gather", "reduce_scatter", "all_reduce")]
+    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(collective_costs=rows), filters=["zero3"])
+    blocking = predicted_report(scenario, scenario.strategies[0])["step_time_s"]
+    assert blocking >= 37 * 1e-2, blocking
+    monkeypatch.setitem(impl.IMPLEMENTATIONS, "fsdp2", dataclasses.replace(impl.get("fsdp2"), blocking_calls=False))
+    overlapping = predicted_report(scenario, scenario.strategies[0])["step_time_s"]
+    assert overlapping < blocking - 0.05, (blocking, overlapping)  # at least five 10 ms calls overlapped
+
+
 def test_validate_reads_the_collective_table_from_the_profile():
     rows = [["all_gather", 4, 2e-3, 1e-9], ["reduce_scatter", 4, 5e-3, 4e-9]]
     scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(collective_costs=rows), filters=["zero3"])
@@ -148,6 +163,20 @@ def test_in_step_time_runs_from_the_last_arrival_to_each_completion():
     assert row["time_s"] == pytest.approx(4.25e-3) and row["last_completion_s"] == pytest.approx(5e-3)
 
 
+def test_a_pooled_profile_holds_each_call_as_long_as_the_in_step_loop_did():
+    """With a CPU pool a call's wall time is what the in-step loop measured from the last
+    arrival to the LAST member's release (no member goes on before the ring passed it): fitted
+    per kind and group size where measured, the back-to-back fit elsewhere."""
+    sizes = (4096, 1 << 20, 16 << 20)
+    in_step = [{"kind": "all_gather", "group_size": 4, "size_bytes": s, "time_s": 1e-3 + 1e-9 * s,
+                "last_completion_s": 5e-3 + 2e-9 * s} for s in sizes]
+    back_to_back = [["all_gather", 4, 3e-3, 1e-9], ["reduce_scatter", 4, 4e-3, 1e-9]]
+    fits = in_step_costs(in_step, back_to_back)
+    assert [f[:2] for f in fits] == [["all_gather", 4], ["reduce_scatter", 4]]
+    assert fits[0][2:] == pytest.approx([5e-3, 2e-9]) and fits[1] == back_to_back[1]
+    assert in_step_costs([], back_to_back) == back_to_back
+
+
 def test_hop_delay_is_the_in_step_excess_per_message():
     """In-step minus back-to-back time = hops x delay (ring all-gather n-1 hops, all-reduce and
     gloo's reduce-scatter 2(n-1), send 1); bandwidth-bound sizes are left out."""
@@ -181,8 +210,8 @@ def test_the_hop_delay_adds_to_every_measured_collective():
 def test_build_profile_carries_the_measured_mechanisms():
     """Two ranks at sharing factor 2 (1 core between them). With the CPU pool the device gets
     the CPU costs alone on a core (thread CPU, not wall), a pool of 1/2 + 1/2 = 1 core, each
-    collective's back-to-back time and its CPU per member less the issue's; by default the wall
-    costs at the calibration's load and no pool."""
+    collective's time (back to back here: no in-step marks) and its CPU per member less the
+    issue's; that is the default. Without the pool: the wall costs at the calibration's load."""
     sizes = (4096, 1 << 20)
     collectives = [{"kind": k, "group_size": 2, "size_bytes": s, "time_s": 3e-3 + 3e-9 * s,
                     "cpu_s": 1e-4 + 5e-4 + 1e-9 * s} for k in ("all_gather", "reduce_scatter") for s in sizes]
@@ -203,8 +232,9 @@ def test_build_profile_carries_the_measured_mechanisms():
     assert [r[:2] for r in device["collective_costs"]] == [["all_gather", 2], ["reduce_scatter", 2]]
     assert device["collective_cpu_costs"][0][2:] == pytest.approx([5e-4, 1e-9])
     assert device["collective_costs"][0][2:] == pytest.approx([3e-3, 3e-9])
-    # the default profile: wall time at the calibration's load, no pool
-    plain = build_profile([rank, rank], 2)["device"]
+    assert build_profile([rank, rank], 2)["device"] == device  # the pool is the default
+    # without the pool: wall time at the calibration's load
+    plain = build_profile([rank, rank], 2, cpu_pool=False)["device"]
     assert "node_cpu_cores" not in plain and "collective_cpu_costs" not in plain
     assert plain["peak_fp32_flops_per_s"] == pytest.approx(1e10) and plain["kernel_launch_s"] == pytest.approx(2e-5)
     assert plain["collective_call_s"] == pytest.approx(2e-4) and plain["fsdp2_call_host_s"] == pytest.approx(2e-3)

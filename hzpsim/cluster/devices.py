@@ -80,12 +80,12 @@ class Device:
     # core back from ranks that compute (measured: in-step minus back-to-back, per hop; not
     # charged on a device with a CPU pool, whose sharing of the cores it stood in for)
     collective_hop_delay_s: float | None = None
-    # the CPU pool (`hzpsim calibrate machine --cpu-pool`; None = none: every rank runs at its
+    # the CPU pool (`hzpsim calibrate machine`, unless --no-cpu-pool; None = none: every rank runs at its
     # own calibrated rate): the cores one node's ranks share, measured as the CPU seconds all
     # ranks spend per second of wall while every rank works (Σ 1 / sharing factor; fewer while
     # other jobs run). With it the device's compute and host costs are CPU seconds of one rank
     # alone on a core; a rank's compute and host ops need a core each and a collective its
-    # back-to-back time (``collective_costs``) at the share of a core ``collective_cpu_costs``
+    # wall time inside a step (``collective_costs``) at the share of a core ``collective_cpu_costs``
     # says; all progress at min(1, cores / demand on the node) (sim/engine.py)
     node_cpu_cores: float | None = None
     # per collective kind and group size, (kind, group_size, cpu_s, cpu_s_per_byte): the CPU

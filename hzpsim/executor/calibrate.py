@@ -20,8 +20,10 @@ window of wall time on every rank at once (:func:`_window`), so no rank runs alo
 
 The profile (YAML) holds ``device`` (the simulator's ``cpu-local`` device fields: the median
 GEMM rate of the sweep, the median memory-bound rate, the host costs, ``collective_costs``:
-latency and seconds per byte per kind and group size fitted to the back-to-back sweep, and
-``collective_hop_delay_s``: what each message of a collective waits for a core inside a step),
+latency and seconds per byte per kind and group size fitted to each call's wall time inside the
+step-like loop with the CPU pool (the default: ``node_cpu_cores``, ``collective_cpu_costs``), or
+to the back-to-back sweep plus ``collective_hop_delay_s`` (what each message of a collective
+waits for a core inside a step) with ``--no-cpu-pool``),
 ``cluster`` (the fabric fields of the ``local-cpu`` preset: per-step latency and bandwidth; the
 CLI fits them to the simulator's own collective model,
 ``hzpsim.validate_executor.fit_fabric_to_simulator``; :func:`fit_fabric` is the textbook ring
@@ -202,7 +204,7 @@ def bench(out_dir: str, quick: bool) -> None:
                 marks: list[tuple[int, int]] = []
                 if mine is not None:
                     marks = _time_collective_in_step(kind, elements_full, g, rank % g, mine, probe.step,
-                                                     2 if quick else (8 if size <= (1 << 20) else 3))
+                                                     2 if quick else (24 if size <= (1 << 20) else 6))
                 out.setdefault("in_step_marks", []).append({"kind": kind, "group_size": g,
                                                             "size_bytes": elements_full * 4, "marks": marks})
                 progress(f"{kind} {g} ranks {size} B, in step")
@@ -544,6 +546,18 @@ def hop_delay(sweep: list[dict[str, Any]], in_step: list[dict[str, Any]]) -> flo
     return max(num / den, 0.0) if den else 0.0
 
 
+def in_step_costs(in_step: list[dict[str, Any]], back_to_back: list[list[Any]]) -> list[list[Any]]:
+    """[kind, group size, latency s, seconds per byte] of each call's wall time inside a step:
+    fitted to the in-step loop's time from the last member's arrival to the last member's
+    completion (:func:`in_step_times` ``last_completion_s``) where it was measured, else the
+    back-to-back fit of the same kind and group size."""
+    fits = {(k, g): [k, g, lat, b] for k, g, lat, b in back_to_back}
+    rows = [{**r, "time_s": r["last_completion_s"]} for r in in_step if r.get("last_completion_s", 0) > 0]
+    for kind, g, latency, per_byte in fit_collectives(rows):
+        fits[(kind, g)] = [kind, g, latency, per_byte]
+    return [fits[key] for key in sorted(fits, key=lambda key: (KINDS.index(key[0]), key[1]))]
+
+
 def fit_collectives(rows: list[dict[str, Any]]) -> list[list[Any]]:
     """[kind, group size, latency s, seconds per byte] for every measured kind and group size."""
     fits = []
@@ -656,18 +670,19 @@ def fit_fabric(rows: list[dict[str, Any]]) -> tuple[float, float]:
     return latency, 1.0 / inverse_bandwidth
 
 
-def build_profile(per_rank: list[dict[str, Any]], world: int, cpu_pool: bool = False) -> dict[str, Any]:
+def build_profile(per_rank: list[dict[str, Any]], world: int, cpu_pool: bool = True) -> dict[str, Any]:
     """The profile from every rank's measurements (compute: mean over ranks; collectives: the
     slowest rank of each group, i.e. when the call completes everywhere; CPU per call: the mean).
 
-    By default every cost is the wall time it took while every rank worked (a rank's share of
-    the cores at the calibration's load). With ``cpu_pool`` (experimental, docs/executor.md)
-    the device is written for the simulator's CPU pool (``Device.node_cpu_cores``) instead:
-    compute and host costs are CPU seconds of a rank alone on a core (the benchmarks' thread
-    CPU time, not their wall time, which includes waiting for a core), the pool's size is the
-    CPU seconds all ranks spent per second of wall while every rank worked (Σ 1 / sharing
-    factor), and ``collective_cpu_costs`` the CPU each call's members' backend threads spent
-    during it. Both carry each collective's back-to-back time (``collective_costs``)."""
+    With ``cpu_pool`` (the default, docs/executor.md) the device is written for the simulator's
+    CPU pool (``Device.node_cpu_cores``): compute and host costs are CPU seconds of a rank alone
+    on a core (the benchmarks' thread CPU time, not their wall time, which includes waiting for
+    a core), the pool's size is the CPU seconds all ranks spent per second of wall while every
+    rank worked (Σ 1 / sharing factor), ``collective_cpu_costs`` the CPU each call's members'
+    backend threads spent during it, and ``collective_costs`` each call's wall time inside a
+    step (:func:`in_step_costs`). Without it every cost is the wall time it took while every
+    rank worked (a rank's share of the cores at the calibration's load) and each collective's
+    back-to-back time, plus the in-step hop delay."""
     def mean_rows(key: str, fields: tuple[str, ...]) -> list[dict[str, Any]]:
         return [{**row, **{f: statistics.mean(r[key][i][f] for r in per_rank) for f in fields}}
                 for i, row in enumerate(per_rank[0][key])]
@@ -703,13 +718,19 @@ def build_profile(per_rank: list[dict[str, Any]], world: int, cpu_pool: bool = F
             device["asynchzp_op_host_s"] = statistics.mean(f["asynchzp_op" + suffix] for f in framework)
     # per kind and group size, from the back-to-back sweep (every member in the call): its time
     # and the CPU its backend threads spend per member meanwhile (less the issue, which the
-    # simulator charges the caller); collectives_in_step, where the others compute around the
-    # call, is kept for comparison (docs/executor.md)
-    device["collective_costs"] = fit_collectives(collectives)
+    # simulator charges the caller); with the pool the time is replaced below by the in-step
+    # loop's, where the others compute around the call (docs/executor.md)
+    back_to_back = fit_collectives(collectives)
+    device["collective_costs"] = back_to_back
     cpu_fits = fit_collectives([{**row, "time_s": row["cpu_s"] - call_cpu} for row in collectives
                                 if row["cpu_s"] - call_cpu > 0])
     if cpu_pool:
-        device.update(node_cpu_cores=cores, collective_cpu_costs=cpu_fits)
+        # the pool shares the cores; what it cannot know is how long a call holds its members
+        # when the others compute around it: from the last arrival to the last member's release,
+        # measured in the step-like loop (a woken ring thread waits for a core a computing rank
+        # holds, and no member goes on before the ring has passed it)
+        device.update(node_cpu_cores=cores, collective_cpu_costs=cpu_fits,
+                      collective_costs=in_step_costs(in_step, back_to_back))
     if in_step:
         device["collective_hop_delay_s"] = hop_delay(collectives, in_step)  # not charged with the pool
     return {
@@ -725,7 +746,8 @@ def build_profile(per_rank: list[dict[str, Any]], world: int, cpu_pool: bool = F
                          "call_issue_cpu_s": issue_cpu, "sharing_factor": sharing,
                          "node_cpu_cores": cores, "collective_cpu_costs": cpu_fits,
                          "framework_host": framework,
-                         "collectives": collectives, "collectives_in_step": in_step},
+                         "collectives": collectives, "collectives_in_step": in_step,
+                         "collective_costs_back_to_back": back_to_back},
         "source": f"hzpsim calibrate machine --world {world} on {platform.node()} "
                   f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
                   f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
@@ -747,7 +769,7 @@ def _bar(log: Path, stream: TextIO, state: dict[str, str]) -> None:
 
 
 def calibrate_machine(world: int, out: str | None, quick: bool = False, progress: TextIO | None = None,
-                      refit=None, cpu_pool: bool = False) -> Path:
+                      refit=None, cpu_pool: bool = True) -> Path:
     """Run the benchmarks on ``world`` processes and write the profile; returns its path.
 
     ``refit(collectives, world) -> cluster fields`` replaces the ring-formula fit of the fabric

@@ -1,7 +1,7 @@
 """The executor's subcommands, registered into ``hzpsim`` by :func:`register`.
 
     hzpsim execute SCENARIO --world 4 [--json] [--write-spec FILE]
-    hzpsim calibrate machine [--world N] [--out FILE] [--cpu-pool]
+    hzpsim calibrate machine [--world N] [--out FILE] [--no-cpu-pool]
     hzpsim validate executor [--profile FILE] [--strategies zero3,hsdp,nd,asynchzp] [--world N] [--json]
 
 Without torch each of them exits 2 with one line saying how to install it. Nothing here imports
@@ -44,9 +44,10 @@ def register(sub: argparse._SubParsersAction,
     machine.add_argument("--world", type=int, default=2, help="processes benchmarked together (default 2)")
     machine.add_argument("--out", help="profile YAML to write (default: the user config folder, used by local-cpu)")
     machine.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (tests)")
-    machine.add_argument("--cpu-pool", action="store_true",
-                         help="experimental: write the profile for the simulator's CPU pool (costs alone on a core, "
-                              "the cores the ranks share; docs/executor.md)")
+    machine.add_argument("--cpu-pool", action=argparse.BooleanOptionalAction, default=True,
+                         help="write the profile for the simulator's CPU pool (default: costs alone on a core, the "
+                              "cores the ranks share, each call's in-step wall time); --no-cpu-pool: every cost as "
+                              "the wall time it took at the calibration's load (docs/executor.md)")
     machine.set_defaults(handler=_cmd_calibrate)
 
     if validate_targets is not None:

@@ -26,14 +26,16 @@ algorithms differ by kind (``torch/csrc/distributed/c10d/ProcessGroupGloo.cpp``:
 rank's chunk, ``all_gather_into_tensor`` a ring of ``gloo::allgather``, ``all_reduce`` gloo's
 ring or bcube, ``all_to_all`` pairwise exchanges, send/recv one TCP message), and their copies
 and TCP loopback run on the same cores as every rank's compute, so one latency + bandwidth pair
-cannot fit them all. The back-to-back sweep sees every member inside the call; inside a step
-the others compute, and every hop (:func:`gloo_hops`) waits for its receiving thread to get a
-core back (``Device.collective_hop_delay_s``, measured by the same calibration: a woken
-thread runs once the running one used its slice, ``kernel/sched/fair.c``'s
-``sysctl_sched_base_slice``, 0.75 ms x (1 + log2 of the CPUs) by default, 1.5 ms on 2
-CPUs). The measured latency is paid first, then the bytes move at the level's
-bandwidth with the demand scaled to the measured seconds per byte (the transfer still shares
-the link with the rank's other transfers).
+cannot fit them all. Without a CPU pool the table is the back-to-back sweep, which sees every
+member inside the call; inside a step the others compute, and every hop (:func:`gloo_hops`)
+waits for its receiving thread to get a core back (``Device.collective_hop_delay_s``,
+measured by the same calibration: a woken thread runs once the running one used its slice,
+``kernel/sched/fair.c``'s ``sysctl_sched_base_slice``, 0.75 ms x (1 + log2 of the CPUs) by
+default, 1.5 ms on 2 CPUs). With a CPU pool the table already is each call's wall time inside
+a step (the calibration's in-step loop, to the last member's release) and no hop delay is
+added. The measured latency is paid first, then the bytes move at the level's bandwidth with
+the demand scaled to the measured seconds per byte (the transfer still shares the link with
+the rank's other transfers).
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ class Engine:
         # A device with a CPU pool (Device.node_cpu_cores: a CPU node calibrated by `hzpsim
         # calibrate machine`) shares its node's cores among the work that needs them: each
         # rank's compute and host ops (a core each) and its collectives (the measured call, at
-        # the share of a core its backend threads used back to back, CollectivePlan.cpu_s)
+        # the share of a core its backend threads use, CollectivePlan.cpu_s)
         # progress at min(1, cores / demand), demand summed over the work running on the node,
         # each simulated rank counting for the ranks it stands for (its weight, at most a node's
         # devices). This is processor sharing, as Linux's fair scheduler shares cores among
@@ -415,10 +415,11 @@ class Engine:
                 self.networks[rank].transfer({}, one_finished, template)
 
     def _pooled(self, op: Op, plan: CollectivePlan) -> None:
-        """A collective on a CPU pool: each member runs the call's measured back-to-back time
-        as pool work that needs the share of a core its backend threads used back to back
-        (CollectivePlan.cpu_s / isolated_time_s). The measured time is the call's floor (a
-        ring's hops follow each other); ranks that compute meanwhile slow it down."""
+        """A collective on a CPU pool: each member runs the call's measured time (its wall time
+        inside a step, ``calibrate machine``'s in-step loop) as pool work that needs the share
+        of a core its backend threads use (CollectivePlan.cpu_s / isolated_time_s). The
+        measured time is the call's floor (a ring's hops follow each other); ranks that compute
+        meanwhile slow it down."""
         seconds = plan.isolated_time_s
         if seconds <= 0:
             self._finish(op)

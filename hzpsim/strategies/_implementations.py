@@ -112,6 +112,14 @@ class Implementation:
     synchronous: bool = False
     """Kernels run on the thread that launches them (a CPU device): a launch waits for the
     previous kernel, so host time and kernel time add up (set by :meth:`on_device`)."""
+    blocking_calls: bool = False
+    """The training thread issues its collectives with ``async_op=False`` and leaves the overlap
+    to device streams (FSDP2: ``_fsdp_param_group.py::FSDPParamGroup.unshard(self.unshard_async_op)``
+    with ``unshard_async_op = False`` by default, also for the backward prefetch;
+    ``_fsdp_collectives.py::foreach_reduce``'s reduce-scatter and HSDP all-reduce without
+    ``async_op``). On a GPU that returns at once; on a synchronous device (gloo on a CPU)
+    ``distributed_c10d.py`` waits on the call's ``Work`` in the calling thread, so each call
+    holds the thread until it completed (:attr:`waits_in_calls`)."""
     framework_host: str = ""
     """Which measured framework host cost applies (``hzpsim calibrate machine`` measures them on
     the device; an uncalibrated device has none, so nothing changes): ``"fsdp2"`` adds the
@@ -171,6 +179,12 @@ class Implementation:
         if self.reduce == "bucket":
             return buckets(present[::-1], self.reduce_bucket_elements)  # gradients arrive in reverse
         return 1
+
+    @property
+    def waits_in_calls(self) -> bool:
+        """The thread that issues a collective waits in it until it completed (see
+        :attr:`blocking_calls`; never for calls made by communication threads)."""
+        return self.host and self.synchronous and self.blocking_calls and not self.calls_from_comm_threads
 
     def call_host_s(self, calls: int, group_size: int) -> float:
         """Host time to issue ``calls`` collective calls over ``group_size`` ranks."""
@@ -260,7 +274,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "fsdp2": Implementation(
         name="fsdp2", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
-        framework_host="fsdp2",
+        framework_host="fsdp2", blocking_calls=True,
         source=f"{_PT}:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather, "
                "foreach_all_gather_copy_out (split_with_sizes_copy of the whole unit), foreach_reduce; "
                "_fsdp_state.py::FSDPState._pre_forward (no unshard during the recompute)",

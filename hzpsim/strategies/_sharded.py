@@ -244,6 +244,10 @@ class Emitter:
             op = self.graph.collective(kind, group, participants, size, name, category, stream, dep_ids,
                                        alloc=taken, free=released, step=step, count=count)
             ids.update(dict.fromkeys(participants, op))
+        if launch and self.implementation.waits_in_calls:
+            # the issuing thread waits in the call until it completed: nothing it launches later,
+            # compute or the next call, starts before
+            self.host(f"wait.{name}", 0.0, step, [ids])
         return ids
 
     def compute(self, name: str, category: str, work: Work, deps: Sequence[Ids | None], step: int,

@@ -246,7 +246,8 @@ class Emitter:
             ids.update(dict.fromkeys(participants, op))
         if launch and self.implementation.waits_in_calls:
             # the issuing thread waits in the call until it completed: nothing it launches later,
-            # compute or the next call, starts before
+            # compute or the next call, starts before (the framework's own parameter and gradient
+            # calls; a layer's model-parallel calls, launch=False, belong to its compute)
             self.host(f"wait.{name}", 0.0, step, [ids])
         return ids
 

@@ -119,7 +119,9 @@ class Implementation:
     ``_fsdp_collectives.py::foreach_reduce``'s reduce-scatter and HSDP all-reduce without
     ``async_op``). On a GPU that returns at once; on a synchronous device (gloo on a CPU)
     ``distributed_c10d.py`` waits on the call's ``Work`` in the calling thread, so each call
-    holds the thread until it completed (:attr:`waits_in_calls`)."""
+    holds the thread until it completed (:attr:`waits_in_calls`). FSDP1 does the same
+    (``_flat_param.py::FlatParamHandle._all_gather_flat_param``, ``_runtime_utils.py::_reduce_grad``);
+    The other profiles are not marked: their calls on a CPU were not read or measured here."""
     framework_host: str = ""
     """Which measured framework host cost applies (``hzpsim calibrate machine`` measures them on
     the device; an uncalibrated device has none, so nothing changes): ``"fsdp2"`` adds the
@@ -268,9 +270,12 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "stage3.py::__reduce_and_partition_ipg_grads (reduce_scatter_tensor per 5e8-element bucket)",
     ),
     "fsdp1": Implementation(
-        name="fsdp1", max_prefetch_depth=1, source=f"{_PT}:torch/distributed/fsdp/_runtime_utils.py::_unshard "
-                             "(one all_gather_into_tensor per FlatParameter; pre-backward unshard serves the "
-                             "recompute), _post_backward_hook (one reduce_scatter_tensor per FlatParameter)",
+        name="fsdp1", max_prefetch_depth=1, blocking_calls=True,
+        source=f"{_PT}:torch/distributed/fsdp/_runtime_utils.py::_unshard "
+               "(one all_gather_into_tensor per FlatParameter; pre-backward unshard serves the "
+               "recompute), _post_backward_hook (one reduce_scatter_tensor per FlatParameter); "
+               "_flat_param.py::FlatParamHandle._all_gather_flat_param and _runtime_utils.py::_reduce_grad call "
+               "all_gather_single / reduce_scatter_single without async_op (streams give the overlap)",
     ),
     "fsdp2": Implementation(
         name="fsdp2", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
@@ -301,6 +306,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "torchtitan": Implementation(
         name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
+        blocking_calls=True,  # FSDP2's calls (see fsdp2)
         source="pytorch/torchtitan@v0.2.2:torchtitan/models/llama3/infra/parallelize.py::apply_fsdp, "
                "apply_tp (FSDP2 per block + DTensor TP/SP)",
     ),

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hzpsim import strategies
+from hzpsim.cluster.devices import CALIBRATED_FIELDS, COLLECTIVE_TABLES, collective_cost_table
 from hzpsim.config import ScenarioError
 from hzpsim.ops import COLLECTIVE, COLLECTIVE_KINDS
 from hzpsim.presets import read_yaml
@@ -60,10 +61,6 @@ STRATEGY_FILTERS = {"zero3": ("zero", {"stage": 3}), "zero2": ("zero", {"stage":
 
 _PROFILE_CLUSTER_KEYS = ("intra_node_bytes_per_s", "inter_node_bytes_per_s_per_device", "intra_node_latency_s",
                          "inter_node_latency_s", "intra_node_efficiency", "inter_node_efficiency")
-_PROFILE_DEVICE_KEYS = ("peak_fp32_flops_per_s", "peak_bf16_flops_per_s", "peak_fp16_flops_per_s",
-                        "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s",
-                        "fsdp2_call_host_s", "dtensor_op_host_s", "collective_hop_delay_s",
-                        "asynchzp_op_host_s", "node_cpu_cores")
 
 
 def load_profile(path: str | None) -> dict[str, Any]:
@@ -142,11 +139,9 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
         raise ScenarioError(f"--strategies {','.join(filters)}: no strategy of the scenario matches")
     scenario = scenario_from_mapping(data, source=str(raw.get("name", "<executor>")))
     device = profile.get("device", {})
-    changes: dict[str, Any] = {k: float(device[k]) for k in _PROFILE_DEVICE_KEYS if k in device}
-    for key in ("collective_costs", "collective_cpu_costs"):
+    changes: dict[str, Any] = {k: float(device[k]) for k in CALIBRATED_FIELDS if k in device}
+    for key in COLLECTIVE_TABLES:
         if device.get(key):
-            from hzpsim.cluster.devices import collective_cost_table
-
             changes[key] = collective_cost_table(device[key])
     gemm = profile.get("measurements", {}).get("gemm")
     if gemm:

@@ -59,8 +59,9 @@ def _worker(argv: list[str]) -> int:
 
     for name in WRAPPED:
         if hasattr(c10d, name):
-            setattr(dist, name, timed(name))
-            setattr(c10d, name, timed(name))
+            wrapped = timed(name)
+            setattr(dist, name, wrapped)
+            setattr(c10d, name, wrapped)
     make = trainers.make_trainer
 
     def make_timed(spec, device):

@@ -303,6 +303,7 @@ CALIBRATED_FIELDS = ("peak_bf16_flops_per_s", "peak_fp16_flops_per_s", "peak_fp3
                      "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s",
                      "fsdp2_call_host_s", "dtensor_op_host_s", "collective_hop_delay_s",
                      "asynchzp_op_host_s", "node_cpu_cores")
+COLLECTIVE_TABLES = ("collective_costs", "collective_cpu_costs")  # per kind and group size (collective_cost_table)
 
 
 def collective_cost_table(rows) -> tuple[tuple[str, int, float, float], ...]:
@@ -332,7 +333,7 @@ def calibration_overrides(name: str) -> tuple[tuple[str, Any], ...]:
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     values: list[tuple[str, Any]] = [(k, float(v)) for k, v in sorted(data.items())
                                      if k in CALIBRATED_FIELDS and isinstance(v, int | float) and v > 0]
-    for key in ("collective_costs", "collective_cpu_costs"):
+    for key in COLLECTIVE_TABLES:
         if data.get(key):
             values.append((key, collective_cost_table(data[key])))
     return tuple(values)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 import time
 
-from hzpsim.planner import choose
+from hzpsim.run import choose
 from hzpsim.scenario import scenario_from_mapping
 
 

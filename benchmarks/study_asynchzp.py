@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from hzpsim.planner import run_choice
+from hzpsim.run import run_choice
 from hzpsim.scenario import scenario_from_mapping
 from hzpsim.strategies import label as _label
 

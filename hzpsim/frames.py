@@ -23,7 +23,7 @@ from hzpsim.sim.engine import Trace
 def simulate(scenario: Scenario, choice: StrategyChoice | None = None) -> tuple[dict[str, Any], Trace]:
     """The report and the Trace of one strategy of ``scenario`` (its first by default;
     adaptive choices resolved)."""
-    from hzpsim.planner import choose
+    from hzpsim.run import choose
 
     traces: list[Trace] = []
     report, _ = choose(scenario, choice or scenario.strategies[0], traces=traces)
@@ -63,7 +63,7 @@ def ops_frame(trace: Trace, whole_run: bool = False) -> pd.DataFrame:
 def memory_frame(trace: Trace, rank: int | None = None) -> pd.DataFrame:
     """Memory of one simulated rank (default: the one with the highest peak) over the reported
     step: one row per instant it changes, one column per category (bytes), plus ``total``."""
-    from hzpsim.ops import MEMORY_CATEGORIES
+    from hzpsim.model.ops import MEMORY_CATEGORIES
     from hzpsim.report import memory_peak
 
     if rank is None:
@@ -89,7 +89,7 @@ def memory_frame(trace: Trace, rank: int | None = None) -> pd.DataFrame:
 
 
 def _state_at(trace: Trace, rank: int, when: float) -> dict[str, float]:
-    from hzpsim.ops import MEMORY_CATEGORIES
+    from hzpsim.model.ops import MEMORY_CATEGORIES
 
     current = {c: 0.0 for c in MEMORY_CATEGORIES}
     for category, size in trace.graph.static_memory[rank].items():

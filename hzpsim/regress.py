@@ -138,7 +138,7 @@ def scenario_of(golden: Golden, base: Path) -> Scenario:
 
 def predict(golden: Golden, base: Path) -> dict[str, Any]:
     """The contract object of the entry's scenario."""
-    from hzpsim.planner import run_choice
+    from hzpsim.run import run_choice
 
     scenario = scenario_of(golden, base)
     return run_choice(scenario, scenario.strategies[0])

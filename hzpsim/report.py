@@ -22,12 +22,19 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from hzpsim.cluster.topology import INTRA_NODE_LEVELS
+from hzpsim.hardware.topology import INTRA_NODE_LEVELS
 from hzpsim.model import Model
-from hzpsim.ops import COMPUTE, HOST_STREAM, MEMORY_CATEGORIES, STEP_END_CATEGORY, GraphError, Op
+from hzpsim.model.ops import (
+    COMPUTE,
+    HOST_STREAM,
+    MEMORY_CATEGORIES,
+    STEP_END_CATEGORY,
+    GraphError,
+    Op,
+)
+from hzpsim.model.training import Training
 from hzpsim.scenario import Scenario
 from hzpsim.sim.engine import Trace
-from hzpsim.training import Training
 
 JSON_KEYS = (
     "step_time_s",
@@ -83,7 +90,7 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
 
 def step_boundaries(trace: Trace) -> list[float]:
     """End time of each optimizer step (latest op of category ``STEP_END_CATEGORY`` across
-    ranks: the step boundary contract of ``hzpsim.ops``). GraphError if a step has none, or if
+    ranks: the step boundary contract of ``hzpsim.model.ops``). GraphError if a step has none, or if
     fewer than two steps were simulated."""
     ends: dict[int, float] = {}
     steps = set()
@@ -94,7 +101,7 @@ def step_boundaries(trace: Trace) -> list[float]:
     if steps - ends.keys() or len(ends) < 2:
         missing = sorted(steps - ends.keys())
         raise GraphError(f"step {missing[0] if missing else 'count'}: a step needs a compute op of category "
-                         f"'{STEP_END_CATEGORY}' (the step boundary, see hzpsim.ops), and two steps are needed")
+                         f"'{STEP_END_CATEGORY}' (the step boundary, see hzpsim.model.ops), and two steps are needed")
     return [ends[k] for k in sorted(ends)]
 
 

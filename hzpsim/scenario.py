@@ -18,11 +18,11 @@ from typing import Any
 import yaml
 
 from hzpsim import strategies
-from hzpsim.cluster.topology import ClusterSpec, ResolvedCluster, Topology
 from hzpsim.config import ScenarioError, from_mapping, to_mapping
+from hzpsim.hardware.topology import ClusterSpec, ResolvedCluster, Topology
 from hzpsim.model import Model
+from hzpsim.model.training import Training
 from hzpsim.presets import listing_once, load_preset, read_yaml
-from hzpsim.training import Training
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
     python scripts/executor_timeline.py zero3            # the default executor scenario, 4 ranks
     python scripts/executor_timeline.py hsdp --world 4 --steps 8
 
-Runs one strategy of ``hzpsim.validate_executor.DEFAULT_SCENARIO`` on the executor (gloo, CPU)
+Runs one strategy of ``hzpsim.validation.executor.DEFAULT_SCENARIO`` on the executor (gloo, CPU)
 with the ``torch.distributed`` collective functions FSDP2 calls wrapped to record, per call and
 rank, when the training thread entered and left it and the thread's CPU time at both. FSDP2
 calls them with ``async_op=False`` (``_fsdp_collectives.py::foreach_all_gather`` from
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from hzpsim.executor.runner import launch
     from hzpsim.executor.spec import run_specs
-    from hzpsim.validate_executor import DEFAULT_SCENARIO, scenario_for_world
+    from hzpsim.validation.executor import DEFAULT_SCENARIO, scenario_for_world
 
     scenario = scenario_for_world(DEFAULT_SCENARIO, args.world, {}, filters=[args.strategy])
     specs = run_specs(scenario, args.world, num_steps=args.steps, measure_memory=False)

@@ -21,7 +21,7 @@ import pandas as pd  # noqa: E402
 
 from hzpsim import frames, plots  # noqa: E402
 from hzpsim import search as S  # noqa: E402
-from hzpsim.planner import run_choice  # noqa: E402
+from hzpsim.run import run_choice  # noqa: E402
 from hzpsim.scenario import scenario_from_mapping  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "figures"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from hzpsim.planner import run_choice
+from hzpsim.run import run_choice
 
 
 def without_variability(scenario):

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hzpsim import calibrate
 from hzpsim.calibration import profile as calibration
 from hzpsim.calibration.constants import BY_NAME, CONSTANTS
 from hzpsim.cli import main
-from hzpsim.planner import run_choice
+from hzpsim.fitting import published as calibrate
+from hzpsim.run import run_choice
 from hzpsim.scenario import scenario_from_mapping
 
 
@@ -137,7 +137,7 @@ def test_calibrate_measured_writes_a_profile_run_uses(tmp_path: Path, capsys: py
 
 def test_constants_doc_table_is_the_shipped_profile() -> None:
     """docs/hardware-constants.md holds the shipped fit's table (regenerate: print
-    hzpsim.calibrate.constants_table(hzpsim.calibration.profile.load(DEFAULT_PATH)))."""
+    hzpsim.fitting.published.constants_table(hzpsim.calibration.profile.load(DEFAULT_PATH)))."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "hardware-constants.md").read_text()
     block = doc.split("<!-- calibration:begin -->\n", 1)[1].split("<!-- calibration:end -->", 1)[0]
     assert block.strip() == calibrate.constants_table(calibration.load(calibration.DEFAULT_PATH)).strip()

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from hzpsim.cli import main
-from hzpsim.cluster.devices import DEVICES
+from hzpsim.hardware.devices import DEVICES
 from hzpsim.scenario import load_scenario
 
 # DESIGN §5: `hzpsim run SCENARIO.yaml --json` prints one object with at least these keys.

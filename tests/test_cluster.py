@@ -15,15 +15,15 @@ import pytest
 import yaml
 
 from hzpsim import presets
-from hzpsim.cluster.devices import DEVICES, get_device
-from hzpsim.cluster.placement import (
+from hzpsim.hardware.devices import DEVICES, get_device
+from hzpsim.hardware.placement import (
     Placement,
     expert_placement,
     group_levels,
     nested_groups,
     strided_groups,
 )
-from hzpsim.cluster.topology import (
+from hzpsim.hardware.topology import (
     LEVELS,
     ClusterSpec,
     ResolvedCluster,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from hzpsim.cluster.topology import ClusterSpec, build_topology
-from hzpsim.ops import GraphError, OpGraph
-from hzpsim.sim.collectives import CollectiveModel
-from hzpsim.sim.compute import Efficiency
+from hzpsim.hardware.collectives import CollectiveModel
+from hzpsim.hardware.compute import Efficiency
+from hzpsim.hardware.topology import ClusterSpec, build_topology
+from hzpsim.model.ops import GraphError, OpGraph
 from hzpsim.sim.engine import simulate
 
 UNIT = Efficiency(gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="test: peak rates")

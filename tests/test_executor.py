@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hzpsim.cli import main
-from hzpsim.validate_executor import DEFAULT_SCENARIO
+from hzpsim.validation.executor import DEFAULT_SCENARIO
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,14 +56,14 @@ def test_loading_the_executor_loads_no_simulator_module():
     modules = [f"hzpsim.executor.{p.stem}" for p in sorted((ROOT / "hzpsim" / "executor").glob("*.py"))
                if p.stem != "__init__"]
     code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
-            + "print(sorted(m for m in sys.modules if m.startswith(('hzpsim.sim', 'hzpsim.planner', 'hzpsim.report'))))")
+            + "print(sorted(m for m in sys.modules if m.startswith(('hzpsim.sim', 'hzpsim.run', 'hzpsim.report'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_import_checker_catches_a_sim_import(tmp_path):
     """The AST scan above can fail: it flags ``from hzpsim.sim import engine``."""
-    tree = ast.parse("from hzpsim.sim import engine\nimport hzpsim.sim.compute\n")
+    tree = ast.parse("from hzpsim.sim import engine\nimport hzpsim.hardware.compute\n")
     found = [n for node in ast.walk(tree) if isinstance(node, ast.ImportFrom | ast.Import)
              for n in ([node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])]
     assert any(n and n.startswith("hzpsim.sim") for n in found)
@@ -187,10 +187,10 @@ def test_collectives_on_compute_cores_pause_compute(shared):
     seconds ends at 1 + T; a GPU-like device overlaps it for free (ends at 1 s)."""
     import dataclasses
 
-    from hzpsim.cluster.topology import ClusterSpec, build_topology
-    from hzpsim.ops import OpGraph
-    from hzpsim.sim.collectives import CollectiveModel
-    from hzpsim.sim.compute import Efficiency
+    from hzpsim.hardware.collectives import CollectiveModel
+    from hzpsim.hardware.compute import Efficiency
+    from hzpsim.hardware.topology import ClusterSpec, build_topology
+    from hzpsim.model.ops import OpGraph
     from hzpsim.sim.engine import simulate
 
     topology = build_topology(ClusterSpec(preset="local-cpu", gpus_per_node=2))
@@ -215,7 +215,7 @@ def test_collectives_on_compute_cores_pause_compute(shared):
 @pytest.fixture(scope="module")
 def world4_rows():
     pytest.importorskip("torch")
-    from hzpsim.validate_executor import compare, scenario_for_world
+    from hzpsim.validation.executor import compare, scenario_for_world
 
     scenario = scenario_for_world(TINY, 4, {})
     rows = compare(scenario, 4, num_steps=3, timeout_s=300, measure_memory=False)
@@ -298,7 +298,7 @@ def test_validation_predicts_at_the_load_the_run_measured():
     """With the calibration's sharing factor, the ranks measure it again around their steps and
     the step is predicted at the run's load: every CPU cost x run / calibration factor."""
     pytest.importorskip("torch")
-    from hzpsim.validate_executor import compare, scenario_for_world
+    from hzpsim.validation.executor import compare, scenario_for_world
 
     raw = copy.deepcopy(TINY)
     raw["training"]["global_batch_size"] = 4
@@ -321,7 +321,7 @@ def test_moe_under_zero3_matches_the_reference():
     result, diff = _run("zero3", 2, model)
     assert diff < 1e-3
     # the routed experts are their own FSDP unit, as hzpsim shards expert parameters on their own
-    from hzpsim.validate_executor import predicted_collectives, scenario_for_world
+    from hzpsim.validation.executor import predicted_collectives, scenario_for_world
 
     raw = copy.deepcopy(TINY)
     raw["model"] = {**TINY_MODEL, "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 64}}
@@ -336,7 +336,7 @@ def test_moe_under_zero3_matches_the_reference():
 def test_interleaved_pipeline_sends_equal_the_simulator():
     pytest.importorskip("torch")
     from hzpsim.model import Model
-    from hzpsim.validate_executor import predicted_collectives, scenario_for_world
+    from hzpsim.validation.executor import predicted_collectives, scenario_for_world
 
     result, diff = _run("nd", 2, model=Model(4, 64, 4, 128, 256, 32, dropout=False), pp=2, vpp=2)
     assert diff < 1e-3
@@ -360,8 +360,8 @@ def test_asynchzp_background_threads_overlap_a_slow_network():
     pytest.importorskip("torch")
     from hzpsim.executor.runner import run
     from hzpsim.executor.spec import run_specs
-    from hzpsim.planner import run_choice
-    from hzpsim.validate_executor import scenario_for_world
+    from hzpsim.run import run_choice
+    from hzpsim.validation.executor import scenario_for_world
 
     delay = 0.02
     raw = copy.deepcopy(TINY)
@@ -387,7 +387,7 @@ def test_calibrate_machine_writes_a_profile_the_simulator_reads(tmp_path, monkey
     pytest.importorskip("torch")
     import yaml
 
-    from hzpsim.cluster.devices import get_device
+    from hzpsim.hardware.devices import get_device
     from hzpsim.scenario import load_scenario
 
     monkeypatch.setenv("HZPSIM_CONFIG_DIR", str(tmp_path))

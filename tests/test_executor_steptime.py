@@ -4,7 +4,7 @@
 measurement (so no uncalibrated prediction moves):
 
 - per collective kind and group size, gloo's own latency and seconds per byte
-  (``Device.collective_costs``, used by ``sim/collectives.py`` instead of NCCL's model);
+  (``Device.collective_costs``, used by ``hardware/collectives.py`` instead of NCCL's model);
 - FSDP2's Python per parameter gather / gradient reduce call (``Device.fsdp2_call_host_s``,
   charged by the ``fsdp2`` implementation profile per call);
 - DTensor's dispatch per ATen op (``Device.dtensor_op_host_s``, charged by the ``dtensor``
@@ -20,8 +20,6 @@ import dataclasses
 
 import pytest
 
-from hzpsim.cluster.devices import get_device
-from hzpsim.cluster.topology import ClusterSpec, build_topology
 from hzpsim.executor.calibrate import (
     build_profile,
     fit_collectives,
@@ -30,9 +28,11 @@ from hzpsim.executor.calibrate import (
     in_step_costs,
     in_step_times,
 )
-from hzpsim.sim.collectives import CollectiveModel, gloo_hops
+from hzpsim.hardware.collectives import CollectiveModel, gloo_hops
+from hzpsim.hardware.devices import get_device
+from hzpsim.hardware.topology import ClusterSpec, build_topology
 from hzpsim.strategies import _implementations as impl
-from hzpsim.validate_executor import DEFAULT_SCENARIO, predicted_report, scenario_for_world
+from hzpsim.validation.executor import DEFAULT_SCENARIO, predicted_report, scenario_for_world
 
 COSTS = (("all_gather", 4, 2e-3, 1e-9), ("reduce_scatter", 4, 5e-3, 4e-9), ("all_reduce", 4, 3e-3, 2e-9),
          ("all_to_all", 4, 1e-3, 5e-10), ("send_recv", 2, 4e-4, 3e-10), ("all_gather", 2, 1e-3, 8e-10))
@@ -244,7 +244,7 @@ def test_build_profile_carries_the_measured_mechanisms():
 def test_at_load_scales_every_cpu_cost_and_the_prediction():
     """At a sharing factor 1.5x the calibration's (other jobs took cores) every CPU cost takes
     1.5x as long; the predicted step of this CPU-bound model follows (within the fixed parts)."""
-    from hzpsim.validate_executor import at_load
+    from hzpsim.validation.executor import at_load
 
     device = dataclasses.replace(get_device("cpu-local"), kernel_launch_s=1e-5, collective_call_s=1e-4,
                                  fsdp2_call_host_s=2e-3, collective_hop_delay_s=1e-3, collective_costs=COSTS)
@@ -275,7 +275,7 @@ def _pool_topology(cores, world=4, cpu_costs=()):
 
 
 def _unit():
-    from hzpsim.sim.compute import Efficiency
+    from hzpsim.hardware.compute import Efficiency
 
     return Efficiency(gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="test: peak rates")
 
@@ -289,7 +289,7 @@ def test_the_pool_shares_a_nodes_cores_among_the_ranks_that_work():
     and 1 then have 1 s more. All four run at 2/4 until the first seconds end at 2 s; then two
     ranks have the 2 cores to themselves and end 1 s later, at 3 s (not at 4 s, as a fixed
     share of 1/2 a core would have it: a rank that waits leaves its share to the others)."""
-    from hzpsim.ops import OpGraph
+    from hzpsim.model.ops import OpGraph
     from hzpsim.sim.engine import simulate
 
     topology = _pool_topology(2.0)
@@ -304,7 +304,7 @@ def test_the_pool_shares_a_nodes_cores_among_the_ranks_that_work():
 def test_the_pool_counts_a_simulated_rank_for_the_ranks_it_stands_for():
     """One simulated rank standing for 4 (a symmetric graph) demands 4 cores: on 2 cores its
     1 CPU-second takes 2 s, as when the 4 ranks are simulated one by one."""
-    from hzpsim.ops import OpGraph
+    from hzpsim.model.ops import OpGraph
     from hzpsim.sim.engine import simulate
 
     topology = _pool_topology(2.0)
@@ -321,7 +321,7 @@ def test_a_collective_on_the_pool_runs_its_measured_time_and_slows_with_compute(
     0.5 x that time). Demand 1 + 1 (compute) + 1/2 + 1/2 (the call) = 3 on 1 core: everything
     at 1/3 until the call's work is done, then the compute at 1/2. A call alone on the node runs
     at its measured time: it is its floor."""
-    from hzpsim.ops import OpGraph
+    from hzpsim.model.ops import OpGraph
     from hzpsim.sim.engine import simulate
 
     size = 1e6
@@ -355,7 +355,7 @@ def test_a_pooled_device_charges_the_cpu_work_instead_of_the_hop_delay():
 def test_at_load_shrinks_the_pool_and_keeps_the_cpu_costs():
     """With a CPU pool the costs are CPU seconds alone on a core: a run at 1.5x the
     calibration's sharing factor has 1/1.5 of the cores, and nothing else changes."""
-    from hzpsim.validate_executor import at_load
+    from hzpsim.validation.executor import at_load
 
     device = dataclasses.replace(get_device("cpu-local"), kernel_launch_s=1e-5, node_cpu_cores=1.9,
                                  collective_costs=COSTS, collective_cpu_costs=COSTS)

@@ -7,7 +7,7 @@ import pytest
 from conftest import assert_symmetry_matches_expansion
 
 from hzpsim import strategies
-from hzpsim.planner import choose, run_choice
+from hzpsim.run import choose, run_choice
 from hzpsim.scenario import scenario_from_mapping
 from hzpsim.sim.engine import simulate
 

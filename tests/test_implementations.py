@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 from hzpsim import strategies
-from hzpsim.planner import run_choice
+from hzpsim.run import run_choice
 from hzpsim.scenario import scenario_from_mapping
 from hzpsim.strategies import _implementations
 

@@ -1,4 +1,4 @@
-"""Kernel shapes on ops and the shape-aware compute model (hzpsim.kernels, sim/compute.py).
+"""Kernel shapes on ops and the shape-aware compute model (hzpsim.model.kernels, hardware/compute.py).
 
 The shapes must keep the FLOP totals the model's formulas give (so MFU and HFU do not move),
 and the cost model must show what the device's structure implies: wave quantisation over the
@@ -13,16 +13,16 @@ import math
 import pytest
 
 from hzpsim.calibration import profile as calibration
-from hzpsim.cluster.devices import get_device
-from hzpsim.kernels import Attention, Gemm, merged, scaled, total_flops
+from hzpsim.hardware.compute import ATTENTION, ComputeModel, efficiency_for
+from hzpsim.hardware.devices import get_device
 from hzpsim.model import Model
-from hzpsim.planner import run_choice
+from hzpsim.model.kernels import Attention, Gemm, merged, scaled, total_flops
+from hzpsim.model.training import Training
+from hzpsim.run import run_choice
 from hzpsim.scenario import load_scenario, scenario_from_mapping
-from hzpsim.sim.compute import ATTENTION, ComputeModel, efficiency_for
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._layers import Work
 from hzpsim.strategies._model_parallel import mp_units
-from hzpsim.training import Training
 
 
 def test_merging_and_scaling_keep_exact_totals() -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from hzpsim import strategies
-from hzpsim.planner import run_choice
+from hzpsim.run import run_choice
 from hzpsim.scenario import scenario_from_mapping
 from hzpsim.sim.engine import simulate
 

@@ -37,20 +37,23 @@ LAYERS: list[tuple[str, ...]] = [
     # foundations: the version, ScenarioError and typed mappings, preset files (YAML)
     # and the calibration profile in use (declared constants and their fitted values)
     ("__init__", "config", "presets", "calibration"),
-    # the nouns: a model, one rank's ops and their kernel shapes, the training settings
-    ("model", "ops", "training", "kernels"),
-    ("cluster",),
+    # the nouns: a model's architecture, its kernels, one rank's ops, the training settings
+    ("model",),
+    # the PyTorch executor: imports only the foundations and the model
+    ("executor",),
+    # devices, topology, placement and the cost functions the engine and the bounds share
+    ("hardware",),
     ("strategies",),
     # a typed, validated scenario: asks the strategy plugins to check their layouts, never simulates
     ("scenario",),
     ("sim",),
     ("report",),
-    ("planner",),
-    # tools built on the planner: published-run validation, the strategy search, regression
-    # runs, data frames of reports, and the PyTorch executor with its comparison to the simulator
-    # (executor/cli and validate_executor import each other, so they share a layer)
-    # (validation reads calibrate's Measurement; calibrate reads validation's published rows)
-    ("validation", "search", "regress", "frames", "executor", "validate_executor", "calibrate"),
+    ("run",),
+    # tools built on the run: published-run and executor validation, fits that run the simulator,
+    # the strategy search, regression runs, data frames of reports
+    ("validation",),
+    ("fitting",),
+    ("search", "regress", "frames"),
     # front ends
     ("plots", "cli"),
 ]
@@ -178,13 +181,13 @@ def test_the_layers_agree_with_design_md():
 # ------------------------------------------------------------------ the check catches what it names
 
 @pytest.mark.parametrize("file,source,expected", [
-    ("ops.py", "from hzpsim.sim.engine import simulate", "upward import, 'ops' (layer 1) imports 'sim'"),
-    ("strategies/zero.py", "def f():\n    from hzpsim import planner\n", "upward import, 'strategies'"),
-    ("cluster/topology.py", "from ..report import to_json", "upward import, 'cluster' (layer 2) imports 'report'"),
+    ("model/ops.py", "from hzpsim.sim.engine import simulate", "upward import, 'model' (layer 1) imports 'sim'"),
+    ("strategies/zero.py", "def f():\n    from hzpsim import run\n", "upward import, 'strategies'"),
+    ("hardware/topology.py", "from ..report import to_json", "upward import, 'hardware' (layer 3) imports 'report'"),
     ("sim/engine.py", "from hzpsim.strategies import zero", "the engine never imports a strategy"),
     ("strategies/_sharded.py", "import simpy", "simpy may be imported only in hzpsim/sim"),
     ("report.py", "import matplotlib.pyplot as plt", "matplotlib may be imported only in hzpsim/plots"),
-    ("planner.py", "from torch import nn", "torch may be imported only in hzpsim/executor"),
+    ("run.py", "from torch import nn", "torch may be imported only in hzpsim/executor"),
     ("report.py", "from hzpsim.newthing import x", "'newthing' is in no layer"),
     ("newthing.py", "import os", "module layer 'newthing' is in no layer"),
 ])

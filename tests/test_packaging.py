@@ -125,7 +125,7 @@ def test_installed_hzpsim_run_json(installed):
     reports = json.loads(result.stdout)
     reports = reports if isinstance(reports, list) else [reports]
     assert reports
-    from hzpsim.planner import run_choice
+    from hzpsim.run import run_choice
     from hzpsim.scenario import load_scenario
 
     sc = load_scenario(None, [argv[i + 1] for i, a in enumerate(argv) if a == "--set"])

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 from hzpsim import presets
 from hzpsim.cli import main
-from hzpsim.cluster.topology import ClusterSpec, ResolvedCluster
 from hzpsim.config import ScenarioError
+from hzpsim.hardware.topology import ClusterSpec, ResolvedCluster
 from hzpsim.model import Model
+from hzpsim.model.training import Training
 from hzpsim.scenario import _TOP_KEYS, load_scenario, parse_override, scenario_from_mapping
 from hzpsim.strategies import zero
-from hzpsim.training import Training
 
 # A valid scenario that simulates in a few milliseconds: the base every test mutates.
 BASE: dict[str, Any] = {

@@ -249,7 +249,7 @@ def test_fabricated_tiny_row_runs():
     assert df.loc[0, "status"] == "ok"
     # the row's prediction is the planner's for the row's scenario, and no faster than an A100
     # at its 312 TF/s bf16 peak doing the model's 6·Psi + attention FLOPs per token
-    from hzpsim.planner import run_choice
+    from hzpsim.run import run_choice
 
     sc = scenario_from_mapping(case.scenario_mapping)
     pred = df.loc[0, "pred_tokens_per_s_per_gpu"]

@@ -1,4 +1,4 @@
-"""What grows with scale: waiting for the slowest rank (hzpsim/sim/variability.py).
+"""What grows with scale: waiting for the slowest rank (hzpsim/hardware/variability.py).
 
 Closed forms for the expected maximum, the switch-off, determinism of the sampled draws, the
 symmetric simulation against the expanded one, and the cost at scale.
@@ -12,9 +12,9 @@ import re
 
 import pytest
 
-from hzpsim.planner import run_choice
+from hzpsim.hardware.variability import Stragglers, expected_max_excess
+from hzpsim.run import run_choice
 from hzpsim.scenario import load_scenario
-from hzpsim.sim.variability import Stragglers, expected_max_excess
 
 
 def test_expected_maximum_of_normal_draws():

@@ -5,7 +5,7 @@ same :class:`hzpsim.model.Model` spec the simulator uses, trains it for a few st
 ``torch.distributed`` (gloo on CPU, NCCL on CUDA: the same code, the device is a flag) and records
 per rank and step: step time, every collective call (kind, group size, bytes handed to it),
 model-state bytes, peak memory and the loss. It imports nothing from the simulator's engine
-(``hzpsim.sim``), so the two can disagree; ``hzpsim/validate_executor.py`` compares them.
+(``hzpsim.sim``), so the two can disagree; ``hzpsim/validation/executor.py`` compares them.
 
 Run it::
 

@@ -26,7 +26,7 @@ to the back-to-back sweep plus ``collective_hop_delay_s`` (what each message of 
 waits for a core inside a step) with ``--no-cpu-pool``),
 ``cluster`` (the fabric fields of the ``local-cpu`` preset: per-step latency and bandwidth; the
 CLI fits them to the simulator's own collective model,
-``hzpsim.validate_executor.fit_fabric_to_simulator``; :func:`fit_fabric` is the textbook ring
+``hzpsim.validation.executor.fit_fabric_to_simulator``; :func:`fit_fabric` is the textbook ring
 fit, kept under ``measurements.ring_formula_fit``) and the raw ``measurements``. Without
 ``--out`` it is written to the user config folder (``$HZPSIM_CONFIG_DIR`` or
 ``~/.config/hzpsim``) as ``topologies/local-cpu.yaml`` + ``devices/cpu-local.yaml``, which
@@ -515,7 +515,7 @@ def fit_kind(rows: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def _hops(kind: str, n: int) -> int:
-    """Messages a gloo collective's rank waits for in turn (as ``hzpsim.sim.collectives.gloo_hops``,
+    """Messages a gloo collective's rank waits for in turn (as ``hzpsim.hardware.collectives.gloo_hops``,
     which this package may not import): ring all-gather n-1, ring all-reduce and the
     reduce-scatter gloo runs as one 2(n-1), all-to-all n-1, send/recv 1."""
     if kind == "send_recv":
@@ -773,7 +773,7 @@ def calibrate_machine(world: int, out: str | None, quick: bool = False, progress
     """Run the benchmarks on ``world`` processes and write the profile; returns its path.
 
     ``refit(collectives, world) -> cluster fields`` replaces the ring-formula fit of the fabric
-    (the CLI passes hzpsim.validate_executor.fit_fabric_to_simulator, which fits the simulator's
+    (the CLI passes hzpsim.validation.executor.fit_fabric_to_simulator, which fits the simulator's
     own collective model; this package does not import the simulator)."""
     from hzpsim.executor.runner import launch
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import simpy
 
-from hzpsim.cluster.topology import GroupSpan, Topology
-from hzpsim.ops import COMPUTE, GraphError, Op, OpGraph, SimulatorFault
-from hzpsim.sim.collectives import CollectiveModel, CollectivePlan
-from hzpsim.sim.compute import ComputeModel, Efficiency
+from hzpsim.hardware.collectives import CollectiveModel, CollectivePlan
+from hzpsim.hardware.compute import ComputeModel, Efficiency
+from hzpsim.hardware.topology import GroupSpan, Topology
+from hzpsim.hardware.variability import Stragglers
+from hzpsim.model.ops import COMPUTE, GraphError, Op, OpGraph, SimulatorFault
 from hzpsim.sim.network import Network, Resource, call_after, flow_template
-from hzpsim.sim.variability import Stragglers
 
 UNDONE = -1.0
 # Events processed with no op finishing before the run counts as stuck. Between two op ends a
@@ -337,7 +337,7 @@ class Engine:
         late_s = 0.0
         if size:
             # the slowest member arrives late and every ring step waits for the slowest transfer
-            # (sim/variability.py): the collective completes later, and the group's next device
+            # (hardware/variability.py): the collective completes later, and the group's next device
             # compute cannot start before its slowest member arrived
             late_s = self.stragglers.delay_s(op.ranks, size, sampled)
             if sampled:

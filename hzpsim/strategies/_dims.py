@@ -9,7 +9,7 @@ messages start with the config key they concern (``tp: ...``), which the scenari
 prefixes with the strategy's key path; the batch rule names ``training.global_batch_size``.
 
 Rank order is Megatron's: tp fastest, then cp, dp, pp; experts fold over the same ranks as
-etp, ep, edp, pp (``hzpsim.cluster.placement``).
+etp, ep, edp, pp (``hzpsim.hardware.placement``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hzpsim.config import ScenarioError
 from hzpsim.model import Model
-from hzpsim.training import Training
+from hzpsim.model.training import Training
 
 MAX_MICRO_BATCHES = 4096  # per replica per step: the engine replays each one, so more would take minutes
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hzpsim.cluster.placement import Placement, expert_placement
-from hzpsim.cluster.topology import Topology
+from hzpsim.hardware.placement import Placement, expert_placement
+from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
-from hzpsim.ops import OpGraph
+from hzpsim.model.ops import OpGraph
+from hzpsim.model.training import Training
 from hzpsim.strategies import compose_label
 from hzpsim.strategies._dims import NO_MODEL_PARALLELISM, ParallelDims
 from hzpsim.strategies._model_parallel import UnitPass, mp_units
 from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, flat_uses, grad_norm
-from hzpsim.training import Training
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,7 +104,7 @@ def simulated_lanes(topology: Topology, placement: Placement, expand: bool,
     """Simulated ranks, the devices each stands for, and the graph's ``compute_slowdown`` meta
     (``[[rank, factor], ...]``, read by the engine): every device under ``expand``; else rank 0
     for everyone, plus each explicit straggler's data-parallel class
-    (:meth:`~hzpsim.cluster.topology.Topology.straggler_lanes`)."""
+    (:meth:`~hzpsim.hardware.topology.Topology.straggler_lanes`)."""
     n = topology.num_devices
     if expand:
         slow = {d: f for d in topology.stragglers if (f := topology.compute_slowdown(d)) != 1.0}

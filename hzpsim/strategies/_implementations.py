@@ -12,7 +12,7 @@ are in ``docs/implementations.md``). ``ideal`` is the idealised model hzpsim use
 profiles existed: one flat collective per unit, no host thread, kept for comparison.
 
 Host costs are priors with sources (``docs/hardware-constants.md`` §7); the calibration fits
-them. They are charged on a ``host`` stream per simulated rank (``hzpsim.ops``): a device op
+them. They are charged on a ``host`` stream per simulated rank (``hzpsim.model.ops``): a device op
 cannot start before the host op that launches it, and a synchronisation is a host op that
 waits for device ops.
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from hzpsim.cluster.devices import Device
+    from hzpsim.hardware.devices import Device
 
 Granularity = Literal["unit", "tensor", "bucket"]
 

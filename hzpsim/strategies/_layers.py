@@ -12,15 +12,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
 
-from hzpsim.kernels import Attention, Gemm, Shape, merged, scaled
-from hzpsim.ops import FlopsByClass, flops_by_class
-from hzpsim.training import Training
+from hzpsim.model.kernels import Attention, Gemm, Shape, merged, scaled
+from hzpsim.model.ops import FlopsByClass, flops_by_class
+from hzpsim.model.training import Training
 
 
 @dataclass(frozen=True)
 class Work:
     """FLOPs by kernel class and memory-bound bytes of one compute op, with the kernel shapes
-    that make them up (``shapes``, see :mod:`hzpsim.kernels`). Build it with :meth:`of` from
+    that make them up (``shapes``, see :mod:`hzpsim.model.kernels`). Build it with :meth:`of` from
     shapes; FLOP-only work (no shapes) is timed at the class's large-kernel rate."""
 
     gemm: float = 0.0

@@ -38,14 +38,14 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from hzpsim.cluster.placement import Placement
-from hzpsim.kernels import Attention, Gemm, Shape
+from hzpsim.hardware.placement import Placement
 from hzpsim.model import Model
-from hzpsim.ops import MemoryDelta, Ranks, memory_delta
+from hzpsim.model.kernels import Attention, Gemm, Shape
+from hzpsim.model.ops import MemoryDelta, Ranks, memory_delta
+from hzpsim.model.training import Training
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._layers import Work
 from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, ShardedParams, Use
-from hzpsim.training import Training
 
 Instances = list[tuple[str, tuple[int, ...]]]
 

@@ -30,10 +30,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from hzpsim.ops import HOST_STREAM, MemoryDelta, OpGraph, Ranks, memory_delta
+from hzpsim.model.ops import HOST_STREAM, MemoryDelta, OpGraph, Ranks, memory_delta
+from hzpsim.model.training import Training
 from hzpsim.strategies._implementations import IDEAL, Implementation
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
-from hzpsim.training import Training
 
 Ids = dict[int, int]  # lane (simulated rank) -> op id
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from hzpsim.cluster.topology import Topology
+from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
+from hzpsim.model.training import Training
 from hzpsim.strategies import _family, _implementations, compose_label
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._sharded import Schedule
-from hzpsim.training import Training
 
 
 @dataclass(frozen=True)

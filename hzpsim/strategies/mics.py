@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hzpsim.cluster.topology import Topology
+from hzpsim.hardware.topology import Topology
 from hzpsim.strategies import _family, _implementations
 from hzpsim.strategies._sharded import Schedule
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from hzpsim.cluster.placement import Placement, expert_placement
-from hzpsim.cluster.topology import Topology
+from hzpsim.hardware.placement import Placement, expert_placement
+from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
-from hzpsim.ops import OpGraph
+from hzpsim.model.ops import OpGraph
+from hzpsim.model.training import Training
 from hzpsim.strategies import _implementations, compose_label
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._model_parallel import MPUnit, UnitPass, merge_units, mp_units
 from hzpsim.strategies._sharded import Emitter, Ids, Schedule, Use, grad_norm
-from hzpsim.training import Training
 
 
 @dataclass(frozen=True)
@@ -190,7 +190,7 @@ def _simulated_lanes(lay: Layout, topology: Topology, expand: bool,
     """Simulated ranks of each pipeline stage, the devices each stands for, and the compute
     slowdown of the slow ones. Every device under ``expand``; else one pipeline (data-parallel
     index 0) for everyone, plus the whole pipeline of each explicit straggler's class
-    (:meth:`~hzpsim.cluster.topology.Topology.straggler_lanes`: a slow stage slows its own
+    (:meth:`~hzpsim.hardware.topology.Topology.straggler_lanes`: a slow stage slows its own
     pipeline through the point-to-point sends, and the others at the data-parallel reduction)."""
     d, placement, n = lay.dims, lay.placement, topology.num_devices
     if expand:

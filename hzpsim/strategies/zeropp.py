@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from hzpsim.cluster.topology import Topology
+from hzpsim.hardware.topology import Topology
 from hzpsim.strategies import _family, _implementations, compose_label
 from hzpsim.strategies._sharded import Schedule
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from hzpsim import strategies
-from hzpsim.cluster.devices import get_device
-from hzpsim.cluster.topology import preset_spec
 from hzpsim.config import ScenarioError, from_mapping
+from hzpsim.hardware.compute import DEVICE_GROUP
+from hzpsim.hardware.devices import get_device
+from hzpsim.hardware.topology import preset_spec
 from hzpsim.model import Model
-from hzpsim.sim.compute import DEVICE_GROUP
 from hzpsim.strategies import _implementations
 from hzpsim.validation.cells import RowSkipped, blank, cell_text, need_whole, number, whole
 from hzpsim.validation.families import family_of

@@ -11,9 +11,22 @@ GBS·seq/(step·n_gpus); where a source gives only TFLOP/s and its notes state S
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from hzpsim.validation.cells import cell_text, number
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured run to fit: a scenario mapping and its tokens/s per device."""
+
+    label: str
+    source: str
+    scenario: dict[str, Any]
+    measured_tokens_per_s_per_device: float
+    regimes: tuple[str, ...] = ()
+
 
 _SC21_RE = re.compile(r"96\s*\*\s*B\s*\*\s*s\s*\*\s*l\s*\*\s*h\^2")
 

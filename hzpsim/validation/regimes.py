@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from hzpsim.calibrate import Measurement
 from hzpsim.model import Model
 from hzpsim.validation.mapping import Case
+from hzpsim.validation.measured import Measurement
 
 REGIMES = ("Megatron ND", "FSDP/ZeRO-3", "DeepSpeed ZeRO", "HSDP", "MoE", "long context")
 LONG_CONTEXT_TOKENS = 16384

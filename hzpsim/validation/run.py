@@ -57,7 +57,7 @@ def validate_published(
     the leave-one-source-out prediction).
     """
     from hzpsim.calibration import profile as calibration
-    from hzpsim.planner import run_choice  # imported late to keep the CSV side light
+    from hzpsim.run import run_choice  # imported late to keep the CSV side light
     from hzpsim.scenario import scenario_from_mapping
     from hzpsim.validation.regimes import regimes_of
 

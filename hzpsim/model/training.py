@@ -25,7 +25,7 @@ class Training:
     autocast: bool = False  # torch.autocast mixed precision: fp32 residual stream and elementwise
     # kernels, GEMM inputs cast to `precision` (LLM-Foundry amp_bf16); false = pure bf16 (Megatron, FSDP2)
     attention_kernel: AttentionKernel = "auto"  # the fused attention kernel family; "auto" = the
-    # device's usual one (sim/compute.py DEFAULT_ATTENTION_KERNEL); "unfused" = flash_attention false
+    # device's usual one (hardware/compute.py DEFAULT_ATTENTION_KERNEL); "unfused" = flash_attention false
     compile: bool = False  # torch.compile: pointwise kernels fused between GEMMs (fewer launches,
     # less HBM traffic); false = eager
     fused_kernels: bool = False  # the model code fuses its pointwise kernels by hand, as Megatron-LM

@@ -1,6 +1,6 @@
 """Time of a compute op on one device: its kernels as they run on the device's structure.
 
-A compute op carries its kernels' shapes (``hzpsim.kernels``: GEMMs as M×N×K, attention as
+A compute op carries its kernels' shapes (``hzpsim.model.kernels``: GEMMs as M×N×K, attention as
 heads × query × key × head dim with its kernel family), the bytes its memory-bound kernels
 move through HBM, and a fixed host-side duration. Its time is the sum of
 
@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from hzpsim.calibration import profile as calibration
-from hzpsim.cluster.devices import Device
-from hzpsim.kernels import Attention, Gemm, Shape
-from hzpsim.ops import Op
+from hzpsim.hardware.devices import Device
+from hzpsim.model.kernels import Attention, Gemm, Shape
+from hzpsim.model.ops import Op
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from hzpsim import __version__, regress, search, strategies, validation
-from hzpsim import calibrate as calibration_command
-from hzpsim.cluster.devices import DEVICES
+from hzpsim.cli import execute as executor_cli
 from hzpsim.config import ScenarioError, key_of
-from hzpsim.executor import cli as executor_cli
-from hzpsim.ops import GraphError, SimulatorFault
-from hzpsim.planner import choose, format_decisions, run_choice
+from hzpsim.fitting import published as calibration_command
+from hzpsim.hardware.devices import DEVICES
+from hzpsim.model.ops import GraphError, SimulatorFault
 from hzpsim.presets import list_presets
 from hzpsim.report import chrome_trace, format_summary, to_json
+from hzpsim.run import choose, format_decisions, run_choice
 from hzpsim.scenario import Scenario, load_scenario
 
 __all__ = ["main", "run_choice"]

@@ -44,22 +44,22 @@ from types import SimpleNamespace
 from typing import Any
 
 from hzpsim import strategies
-from hzpsim.cluster.placement import expert_placement
 from hzpsim.config import ScenarioError, from_mapping
-from hzpsim.kernels import Gemm
-from hzpsim.ops import GraphError
+from hzpsim.hardware.collectives import CollectiveModel
+from hzpsim.hardware.compute import ComputeModel
+from hzpsim.hardware.placement import expert_placement
+from hzpsim.hardware.variability import expected_max_excess
+from hzpsim.model.kernels import Gemm
+from hzpsim.model.ops import GraphError
+from hzpsim.model.training import Training
 from hzpsim.report import format_summary
 from hzpsim.scenario import Scenario, StrategyChoice
-from hzpsim.sim.collectives import CollectiveModel
-from hzpsim.sim.compute import ComputeModel
-from hzpsim.sim.variability import expected_max_excess
 from hzpsim.strategies import _family, nd
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._implementations import Implementation
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
 from hzpsim.strategies._model_parallel import MPUnit, mp_units
 from hzpsim.strategies._sharded import NestedSharding, Schedule
-from hzpsim.training import Training
 
 #: Strategy names searched, in the order they are reported (one ``best_per_family`` key each).
 FAMILIES = ("nd", "zero", "hsdp", "mics", "zeropp", "megatron_fsdp", "asynchzp", "ddp")
@@ -337,7 +337,7 @@ class _Costs:
     large-GEMM rate, which no shape beats, and attention FLOPs at the device's dense peak,
     which no kernel exceeds. Collectives: NCCL's isolated time (``CollectiveModel.plan``),
     stretched, when ``variability`` is credited, by the ``1 + cv · E[max]`` every ring step of
-    the symmetric simulation takes (``sim/variability.py``)."""
+    the symmetric simulation takes (``hardware/variability.py``)."""
 
     def __init__(self, scenario: Scenario, precision: str, variability: bool) -> None:
         topology = scenario.topology
@@ -1524,7 +1524,7 @@ def evaluate(scenario: Scenario, candidate: Candidate) -> dict[str, Any]:
 
     Returns ``{"report": contract}`` or ``{"rejected": reason}`` when its resident model states
     (from the built graph) exceed the device memory, ``{"error": message}`` for a graph error."""
-    from hzpsim.planner import _report, _resolve
+    from hzpsim.run import _report, _resolve
 
     try:
         sc = variant(scenario, candidate)

@@ -119,7 +119,7 @@ class ClusterSpec:
 
     * ``preset`` — name of a preset in ``topologies/`` to start from;
       ``None`` → the device's usual fabric (``Device.default_cluster_preset``).
-    * ``device`` — device catalog name (``hzpsim.cluster.devices.DEVICES``); ``None`` → preset's.
+    * ``device`` — device catalog name (``hzpsim.hardware.devices.DEVICES``); ``None`` → preset's.
     * ``num_nodes`` — number of nodes (count; 1).
     * ``gpus_per_node`` — devices per node (count; ``None`` → preset's).
     * ``islands_per_node`` — scale-up islands per node (count; ``None`` → preset's, e.g. 1 for
@@ -318,7 +318,7 @@ class ResolvedCluster:
     preset: str
     """Name of the preset the cluster started from (the device's usual fabric if none was named)."""
     device: str
-    """Device catalog name (``hzpsim.cluster.devices.DEVICES``)."""
+    """Device catalog name (``hzpsim.hardware.devices.DEVICES``)."""
     num_nodes: int
     """Number of nodes (count ≥ 1)."""
     gpus_per_node: int
@@ -503,7 +503,7 @@ class Topology:
         (``collapse`` coordinates 0), slowed by the largest slowdown in the group (1 for a link
         straggler alone). That rank shares its data-parallel groups with the other simulated
         ranks, so their collectives wait for it. ``placement`` is a
-        :class:`~hzpsim.cluster.placement.Placement`.
+        :class:`~hzpsim.hardware.placement.Placement`.
         """
         members: dict[int, list[float]] = {}
         for device in sorted(self.stragglers):

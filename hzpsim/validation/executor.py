@@ -16,7 +16,7 @@ the ``local-cpu`` preset (optionally with a ``hzpsim calibrate machine`` profile
 Run it::
 
     hzpsim validate executor --world 4 --json
-    python -m hzpsim.validate_executor --world 2 --strategies zero3
+    python -m hzpsim.validation.executor --world 2 --strategies zero3
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from hzpsim import strategies
-from hzpsim.cluster.devices import CALIBRATED_FIELDS, COLLECTIVE_TABLES, collective_cost_table
 from hzpsim.config import ScenarioError
-from hzpsim.ops import COLLECTIVE, COLLECTIVE_KINDS
+from hzpsim.hardware.devices import CALIBRATED_FIELDS, COLLECTIVE_TABLES, collective_cost_table
+from hzpsim.model.ops import COLLECTIVE, COLLECTIVE_KINDS
 from hzpsim.presets import read_yaml
 from hzpsim.scenario import Scenario, StrategyChoice, scenario_from_mapping
 
@@ -81,15 +81,15 @@ def load_profile(path: str | None) -> dict[str, Any]:
 
 def fit_fabric_to_simulator(collectives: list[dict[str, Any]], world: int) -> dict[str, float]:
     """Per-step latency and bandwidth of the ``local-cpu`` island that make hzpsim's OWN
-    collective model (sim/collectives.py: NCCL's algorithms and protocols, the protocol chosen per
+    collective model (hardware/collectives.py: NCCL's algorithms and protocols, the protocol chosen per
     size) reproduce the measured all-gather, reduce-scatter and all-reduce times best (least
     squares on log time: every size counts alike). A fit of the textbook ring formula would be
     wrong here, because the simulator runs latency-bound calls with NCCL's LL protocol, which
     pays only a fraction of the step latency (gloo has no such protocol)."""
     import numpy as np
 
-    from hzpsim.cluster.topology import ClusterSpec, build_topology
-    from hzpsim.sim.collectives import CollectiveModel
+    from hzpsim.hardware.collectives import CollectiveModel
+    from hzpsim.hardware.topology import ClusterSpec, build_topology
 
     rows = [r for r in collectives if r["kind"] in ("all_gather", "reduce_scatter", "all_reduce") and r["time_s"] > 0]
     if not rows:
@@ -256,7 +256,7 @@ def predicted_collectives(scenario: Scenario, choice: StrategyChoice) -> dict[st
 
 
 def predicted_report(scenario: Scenario, choice: StrategyChoice) -> dict[str, Any]:
-    from hzpsim.planner import run_choice
+    from hzpsim.run import run_choice
 
     return run_choice(scenario, choice)
 
@@ -438,6 +438,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the list of comparison objects as JSON")
 
 
+def check_run_options(args: argparse.Namespace) -> None:
+    """``--world``, ``--steps`` and ``--comm-delay`` of ``execute`` and ``validate executor``."""
+    if not 1 <= args.world <= 64:
+        raise ScenarioError(f"--world: {args.world} is not between 1 and 64")
+    if args.steps < 3:
+        raise ScenarioError("--steps: at least 3 (warm-up, counted step, last step)")
+    if args.comm_delay < 0:
+        raise ScenarioError("--comm-delay: must be >= 0")
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     from hzpsim.executor import require_torch
 
@@ -446,8 +456,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     unknown = [f for f in filters if f not in STRATEGY_FILTERS]
     if unknown:
         raise ScenarioError(f"--strategies: unknown {unknown[0]!r} (known: {', '.join(STRATEGY_FILTERS)})")
-    from hzpsim.executor.cli import check_run_options
-
     check_run_options(args)
     raw = DEFAULT_SCENARIO
     if args.scenario:
@@ -471,7 +479,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m hzpsim.validate_executor", description=__doc__.split("\n")[0])
+    _parser = argparse.ArgumentParser(prog="python -m hzpsim.validation.executor", description=__doc__.split("\n")[0])
     add_arguments(_parser)
     try:
         sys.exit(run_from_args(_parser.parse_args()))

@@ -68,7 +68,7 @@ class Device:
     communication_uses_compute_cores: bool = False
     # measured by `hzpsim calibrate machine` only (None / () = not measured: nothing changes):
     # per collective kind and group size, (kind, group_size, latency_s, seconds_per_byte) of the
-    # backend's own algorithms, timed inside a step-like loop (sim/collectives.py uses them
+    # backend's own algorithms, timed inside a step-like loop (hardware/collectives.py uses them
     # instead of NCCL's model); the host cost of FSDP2's Python per parameter gather / gradient
     # reduce call and of DTensor's dispatch per ATen op (strategies/_implementations.py applies
     # them to the fsdp2 and dtensor profiles)

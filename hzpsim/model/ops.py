@@ -33,7 +33,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from hzpsim.kernels import Shape, from_plain, to_plain
+from hzpsim.model.kernels import Shape, from_plain, to_plain
 
 COMPUTE = "compute"
 COLLECTIVE = "collective"
@@ -134,7 +134,7 @@ class Op:
         self.step = step
         self.count = count  # a collective repeated back to back (e.g. a layer's two TP all-reduces)
         self.duration_s = duration_s  # fixed time added to a compute op's rate-based time (host work)
-        self.shapes = shapes  # the kernels behind ``flops`` (hzpsim.kernels), shared between ops
+        self.shapes = shapes  # the kernels behind ``flops`` (hzpsim.model.kernels), shared between ops
 
     @property
     def senders(self) -> tuple[int, ...]:
@@ -232,7 +232,7 @@ class OpGraph:
     ) -> int:
         """A compute op on ``rank``'s ``stream``: FLOPs by class and HBM bytes, timed by the
         device's rates, plus a fixed ``duration_s`` (host work: launches, Python, syncs).
-        ``shapes`` are the GEMM and attention kernels the FLOPs come from (``hzpsim.kernels``);
+        ``shapes`` are the GEMM and attention kernels the FLOPs come from (``hzpsim.model.kernels``);
         when given, the cost model times them instead of the class totals. ``flops``, ``alloc``
         and ``free`` may be given in the Op's own form (:func:`flops_by_class`,
         :func:`memory_delta`)."""

@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from hzpsim.cluster.topology import INTER_NODE_LEVELS, GroupSpan, Topology
+from hzpsim.hardware.topology import INTER_NODE_LEVELS, GroupSpan, Topology
 
 # NCCL src/graph/tuning.cc (commit b6475625, NCCL 2.19/2.20 era), which states them in µs:
 # baseLat[algo][proto] and hwLat[link][algo][proto], protocols in order LL, LL128, Simple.

@@ -56,23 +56,13 @@ from hzpsim.calibration import profile as calibration
 from hzpsim.calibration.constants import CONSTANTS
 from hzpsim.calibration.profile import Profile
 from hzpsim.config import ScenarioError
+from hzpsim.validation.measured import Measurement
 
 STEP = 1.1
 """The perturbation of the elasticities (10 %)."""
 
 COMPUTE_CONSTANTS = {"gemm": ("gemm_sm_efficiency.a100", "gemm_sm_efficiency.h100"),
                      "attention": ("attention_kernel_fraction",), "memory": ("elementwise_hbm_efficiency",)}
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One measured run to fit: a scenario mapping and its tokens/s per device."""
-
-    label: str
-    source: str
-    scenario: dict[str, Any]
-    measured_tokens_per_s_per_device: float
-    regimes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -120,11 +110,11 @@ def _simulate(scenario_mapping: dict[str, Any], prof: Profile) -> tuple[float, f
     with every compute rate ``STEP`` times slower, and with every host op ``STEP`` times
     longer; the compute-time shares of its first rank; its device group."""
     from hzpsim import strategies
-    from hzpsim.ops import HOST_STREAM
-    from hzpsim.planner import _resolve
+    from hzpsim.hardware.compute import DEVICE_GROUP, ComputeModel, efficiency_for
+    from hzpsim.model.ops import HOST_STREAM
     from hzpsim.report import build_report
+    from hzpsim.run import _resolve
     from hzpsim.scenario import scenario_from_mapping
-    from hzpsim.sim.compute import DEVICE_GROUP, ComputeModel, efficiency_for
     from hzpsim.sim.engine import simulate
 
     with calibration.using(prof):

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction,
     ``executor`` to the ``validate`` group when given. Returns the ``calibrate`` group
     (``{"calibrate": ...}``) so that other targets (e.g. ``calibrate published``) can join it;
     a target without a ``handler`` default is left to the caller's dispatch."""
-    from hzpsim import validate_executor
+    from hzpsim.validation import executor as validate_executor
 
     p = sub.add_parser("execute", help="run a scenario's strategies for real with torch.distributed (executor)")
     p.add_argument("scenario", help="scenario YAML (fp32, no dropout, no recompute)")
@@ -57,21 +57,13 @@ def register(sub: argparse._SubParsersAction,
     return {"calibrate": what}
 
 
-def check_run_options(args: argparse.Namespace) -> None:
-    """``--world``, ``--steps`` and ``--comm-delay`` of ``execute`` and ``validate executor``."""
-    if not 1 <= args.world <= 64:
-        raise ScenarioError(f"--world: {args.world} is not between 1 and 64")
-    if args.steps < 3:
-        raise ScenarioError("--steps: at least 3 (warm-up, counted step, last step)")
-    if args.comm_delay < 0:
-        raise ScenarioError("--comm-delay: must be >= 0")
-
-
 def _cmd_execute(args: argparse.Namespace) -> int:
     from hzpsim.executor import require_torch
     from hzpsim.scenario import load_scenario
 
     require_torch()
+    from hzpsim.validation.executor import check_run_options
+
     check_run_options(args)
     scenario = load_scenario(args.scenario, args.set or ())
     from hzpsim.executor.spec import run_specs
@@ -110,7 +102,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     if not 1 <= args.world <= 16:
         raise ScenarioError(f"--world: {args.world} is not between 1 and 16")
     from hzpsim.executor.calibrate import calibrate_machine
-    from hzpsim.validate_executor import fit_fabric_to_simulator
+    from hzpsim.validation.executor import fit_fabric_to_simulator
 
     path = calibrate_machine(args.world, args.out, quick=args.quick, progress=sys.stderr,
                              refit=fit_fabric_to_simulator, cpu_pool=args.cpu_pool)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from hzpsim import strategies
-from hzpsim.ops import OpGraph
+from hzpsim.model.ops import OpGraph
 from hzpsim.report import build_report
 from hzpsim.scenario import Scenario, StrategyChoice
 from hzpsim.sim.engine import Trace, simulate

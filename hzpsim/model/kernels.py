@@ -4,7 +4,7 @@ A compute op's GEMMs are kept as :class:`Gemm` shapes (M, N, K and how many time
 GEMM runs) and its attention as :class:`Attention` shapes (heads, query and key lengths, head
 dimension, causal or not, forward or backward). Strategies build them in
 ``strategies/_model_parallel.py`` from the model's linears (``Model.layer_linears``); the
-simulator times them in ``sim/compute.py``. Sums, scalings and merges keep exact FLOP totals:
+simulator times them in ``hardware/compute.py``. Sums, scalings and merges keep exact FLOP totals:
 ``calls`` is a float, so splitting an op into fractions (context-parallel halves) or merging
 layers only changes counts.
 

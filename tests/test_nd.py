@@ -10,8 +10,8 @@ from conftest import assert_symmetry_matches_expansion
 
 from hzpsim.cli import run_choice
 from hzpsim.config import ScenarioError
-from hzpsim.scenario import scenario_from_mapping
 from hzpsim.hardware import collectives
+from hzpsim.scenario import scenario_from_mapping
 from hzpsim.sim.engine import simulate
 from hzpsim.strategies import _sharded, nd
 from hzpsim.strategies._layers import Work

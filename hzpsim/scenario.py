@@ -19,6 +19,7 @@ import yaml
 
 from hzpsim import strategies
 from hzpsim.config import ScenarioError, from_mapping, to_mapping
+from hzpsim.hardware.devices import for_gemms
 from hzpsim.hardware.topology import ClusterSpec, ResolvedCluster, Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
@@ -47,7 +48,26 @@ class Scenario:
     @functools.cached_property
     def topology(self) -> Topology:
         """Built once per scenario (the planner asks for it for every candidate)."""
-        return Topology(self.cluster)
+        topology = Topology(self.cluster)
+        if topology.device.gemm_sweep:  # a measured machine: its rate for this model's GEMMs
+            topology.device = for_gemms(topology.device, gemm_shapes(self.model, self.training.micro_batch_size))
+        return topology
+
+
+def gemm_shapes(model: Model, micro_batch_size: int) -> list[tuple[float, float, float]]:
+    """(m, k, n) of every GEMM of one micro-batch's forward and backward on one rank without
+    tensor parallelism: per weight (k_in x n_out) the forward (tokens, k, n), the input
+    gradient (tokens, n, k) and the weight gradient (k, tokens, n)."""
+    tokens = micro_batch_size * model.seq_len
+    h, d = model.hidden_size, model.head_dim_resolved
+    weights = [(h, model.num_heads * d), (h, model.kv_heads * d), (h, model.kv_heads * d), (model.num_heads * d, h)]
+    ffn = model.ffn_hidden_size
+    weights += [(h, ffn)] * (2 if model.mlp == "swiglu" else 1) + [(ffn, h)]
+    shapes = [s for _ in range(model.num_layers) for k, n in weights
+              for s in ((tokens, k, n), (tokens, n, k), (k, tokens, n))]
+    k, n = h, model.vocab_size
+    shapes += [(tokens, k, n), (tokens, n, k), (k, tokens, n)]
+    return [(float(m), float(k), float(n)) for m, k, n in shapes]
 
 
 DEFAULT_SCENARIO: dict[str, Any] = {

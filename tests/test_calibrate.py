@@ -65,7 +65,7 @@ def test_profile_round_trip_and_bad_files(tmp_path: Path) -> None:
     assert back["attention_kernel_fraction"] == 0.9
     assert back.for_fold("S01")["attention_kernel_fraction"] == 0.8
     assert back.for_fold("S99")["attention_kernel_fraction"] == 0.9
-    for text, match in (("not json", "not JSON"), ('{"format": "x"}', "format"),
+    for text, match in (("not json", "not a calibration profile"), ('{"format": "x"}', "format"),
                         (json.dumps({"format": calibration.FORMAT, "constants": {"nosuch": 1}}), "nosuch"),
                         (json.dumps({"format": calibration.FORMAT, "constants": {"attention_kernel_fraction": -1}}),
                          "positive")):

@@ -164,7 +164,7 @@ def test_device_only_spec_gets_usual_fabric():
 
 def test_resolved_cluster_is_concrete_and_keeps_the_spec_field_names():
     # the spec's fields, plus the measured device rates read at load (hzpsim calibrate machine)
-    assert [f.name for f in fields(ResolvedCluster)] == [f.name for f in fields(ClusterSpec)] + ["device_overrides"]
+    assert [f.name for f in fields(ResolvedCluster)] == [f.name for f in fields(ClusterSpec)] + ["device_spec"]
     for name in preset_names():
         resolved = preset_spec(name).resolved()
         assert all(getattr(resolved, f.name) is not None for f in fields(resolved)), name

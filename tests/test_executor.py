@@ -382,33 +382,37 @@ def test_asynchzp_background_threads_overlap_a_slow_network():
 
 @pytest.mark.slow
 def test_calibrate_machine_writes_a_profile_the_simulator_reads(tmp_path, monkeypatch, capsys):
-    """``hzpsim calibrate machine`` without --out writes the local-cpu preset and the cpu-local
-    device override into the user config folder; the simulator then uses both."""
+    """``hzpsim calibrate machine`` without --out writes the local-cpu preset, the cpu-local
+    device file and a profile naming it into the user config folder; the simulator then uses
+    them (``cluster.device: cpu-local`` reads the user's file before the built-in one)."""
     pytest.importorskip("torch")
     import yaml
 
-    from hzpsim.hardware.devices import get_device
+    from hzpsim.calibration.profile import load
+    from hzpsim.hardware.devices import BUILTIN_DIR, load_device
     from hzpsim.scenario import load_scenario
 
     monkeypatch.setenv("HZPSIM_CONFIG_DIR", str(tmp_path))
     assert main(["calibrate", "machine", "--world", "2", "--quick"]) == 0
     captured = capsys.readouterr()
     assert "calibrating [" in captured.err  # the progress bar
-    device = yaml.safe_load((tmp_path / "devices" / "cpu-local.yaml").read_text())
+    written = load_device(tmp_path / "devices" / "cpu-local.yaml")
     preset = yaml.safe_load((tmp_path / "topologies" / "local-cpu.yaml").read_text())
+    profile = load(tmp_path / "machine-profile.yaml")
+    assert profile.device == str((tmp_path / "devices" / "cpu-local.yaml").resolve())
     scenario = load_scenario(ROOT / "examples" / "executor-world4.yaml")
-    # read once at scenario load (the catalog itself stays pure)
-    assert scenario.topology.device.peak_fp32_flops_per_s == pytest.approx(device["peak_fp32_flops_per_s"])
-    assert get_device("cpu-local").peak_fp32_flops_per_s != pytest.approx(device["peak_fp32_flops_per_s"])
+    # the device read at scenario load is the written file, its GEMM rate the sweep's for this model
+    assert scenario.topology.device.path == str((tmp_path / "devices" / "cpu-local.yaml").resolve())
+    assert written.gemm_sweep and scenario.topology.device.peak_fp32_flops_per_s != written.peak_fp32_flops_per_s
+    assert load_device(BUILTIN_DIR / "cpu-local.yaml").gemm_sweep == ()  # the built-in file is untouched
     assert scenario.topology.link("island").latency_s == pytest.approx(preset["intra_node_latency_s"])
     # the step-time mechanisms it measured (tests/test_executor_steptime.py): FSDP2's and DTensor's
     # host cost, gloo's cost per kind and group size, the in-step wait per message
-    assert device["fsdp2_call_host_s"] > 0 and device["dtensor_op_host_s"] > 0
-    assert {row[0] for row in device["collective_costs"]} == {"all_gather", "reduce_scatter", "all_reduce",
-                                                             "all_to_all", "send_recv"}
-    assert device["collective_hop_delay_s"] >= 0
-    assert scenario.topology.device.collective_costs == tuple(tuple(r) for r in device["collective_costs"])
-    assert scenario.topology.device.dtensor_op_host_s == pytest.approx(device["dtensor_op_host_s"])
+    assert written.framework_cost_s("fsdp2", "call_s") > 0 and written.framework_cost_s("dtensor", "op_s") > 0
+    assert {row[0] for row in written.collective_costs} == {"all_gather", "reduce_scatter", "all_reduce",
+                                                           "all_to_all", "send_recv"}
+    assert written.collective_hop_delay_s is None or written.collective_hop_delay_s >= 0
+    assert scenario.topology.device.collective_costs == written.collective_costs
     assert main(["run", str(ROOT / "examples" / "executor-world4.yaml"), "--set", "strategy.name=zero"]) == 0
 
 

@@ -5,9 +5,9 @@ measurement (so no uncalibrated prediction moves):
 
 - per collective kind and group size, gloo's own latency and seconds per byte
   (``Device.collective_costs``, used by ``hardware/collectives.py`` instead of NCCL's model);
-- FSDP2's Python per parameter gather / gradient reduce call (``Device.fsdp2_call_host_s``,
+- FSDP2's Python per parameter gather / gradient reduce call (``Device.framework_host_s``, ``fsdp2`` ``call_s``,
   charged by the ``fsdp2`` implementation profile per call);
-- DTensor's dispatch per ATen op (``Device.dtensor_op_host_s``, charged by the ``dtensor``
+- DTensor's dispatch per ATen op (``dtensor`` ``op_s``, charged by the ``dtensor``
   profile per op instead of ``kernel_launch_s``).
 
 Fast tests (no torch); the calibration itself runs in the slow
@@ -20,7 +20,7 @@ import dataclasses
 
 import pytest
 
-from hzpsim.executor.calibrate import (
+from hzpsim.fitting.machine import (
     build_profile,
     fit_collectives,
     fit_kind,
@@ -74,13 +74,13 @@ def test_uncalibrated_devices_keep_the_nccl_model():
     """No table, no change: the GPU presets and an uncalibrated cpu-local plan as before."""
     assert get_device("cpu-local").collective_costs == ()
     assert get_device("h100-sxm").collective_costs == ()
-    assert get_device("cpu-local").fsdp2_call_host_s is None and get_device("cpu-local").dtensor_op_host_s is None
+    assert get_device("cpu-local").framework_host_s == ()
     assert get_device("cpu-local").collective_hop_delay_s is None
 
 
 def test_fsdp2_and_dtensor_profiles_charge_the_measured_framework_host_cost():
     device = dataclasses.replace(get_device("cpu-local"), kernel_launch_s=1e-5, collective_call_s=1e-4,
-                                 fsdp2_call_host_s=2e-3, dtensor_op_host_s=2e-4)
+                                 framework_host_s=(("dtensor", "op_s", 2e-4), ("fsdp2", "call_s", 2e-3)))
     fsdp2 = impl.get("fsdp2").on_device(device)
     assert fsdp2.call_host_s(3, 4) == pytest.approx(3 * (1e-4 + 2e-3))
     assert fsdp2.launch_s(100) == pytest.approx(100 * 1e-5)  # FSDP2's ops are plain tensors' ops
@@ -89,7 +89,7 @@ def test_fsdp2_and_dtensor_profiles_charge_the_measured_framework_host_cost():
     assert dtensor.call_host_s(1, 2) == pytest.approx(1e-4)
     for name in ("deepspeed", "fsdp1", "torchtitan", "megatron-core", "reference", "ddp", "ideal"):
         other = impl.get(name).on_device(device)
-        plain = impl.get(name).on_device(dataclasses.replace(device, fsdp2_call_host_s=None, dtensor_op_host_s=None))
+        plain = impl.get(name).on_device(dataclasses.replace(device, framework_host_s=()))
         assert other == plain, name
     # uncalibrated: the framework cost is absent
     bare = impl.get("fsdp2").on_device(get_device("cpu-local"))
@@ -247,13 +247,15 @@ def test_at_load_scales_every_cpu_cost_and_the_prediction():
     from hzpsim.validation.executor import at_load
 
     device = dataclasses.replace(get_device("cpu-local"), kernel_launch_s=1e-5, collective_call_s=1e-4,
-                                 fsdp2_call_host_s=2e-3, collective_hop_delay_s=1e-3, collective_costs=COSTS)
+                                 framework_host_s=(("fsdp2", "call_s", 2e-3),), collective_hop_delay_s=1e-3,
+                                 collective_costs=COSTS)
     slow = at_load(device, 1.5)
     assert slow.peak_fp32_flops_per_s == pytest.approx(device.peak_fp32_flops_per_s / 1.5)
     assert slow.memory_bytes_per_s == pytest.approx(device.memory_bytes_per_s / 1.5)
-    for field in ("kernel_launch_s", "collective_call_s", "fsdp2_call_host_s", "collective_hop_delay_s"):
+    for field in ("kernel_launch_s", "collective_call_s", "collective_hop_delay_s"):
         assert getattr(slow, field) == pytest.approx(1.5 * getattr(device, field)), field
-    assert slow.dtensor_op_host_s is None  # not measured stays not measured
+    assert slow.framework_cost_s("fsdp2", "call_s") == pytest.approx(1.5 * 2e-3)
+    assert slow.framework_cost_s("dtensor", "op_s") is None  # not measured stays not measured
     assert [c[2:] for c in slow.collective_costs] == [pytest.approx((1.5 * c[2], 1.5 * c[3])) for c in COSTS]
     scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(fsdp2_call_host_s=2e-3, collective_costs=[list(c) for c in COSTS]),
                                   filters=["zero3"])

@@ -1,2 +1,3 @@
-"""Calibration: the declared constants (``constants``), profiles that assign them (``profile``),
-and the fit to measured runs with leave-one-source-out cross-validation (``fit``)."""
+"""Calibration: the declared constants (``constants``) and the profiles that assign them and
+carry a machine's measured costs (``profile``). The fits that produce them run the simulator
+and live above it, in :mod:`hzpsim.fitting`."""

@@ -101,10 +101,10 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     require_torch()
     if not 1 <= args.world <= 16:
         raise ScenarioError(f"--world: {args.world} is not between 1 and 16")
-    from hzpsim.executor.calibrate import calibrate_machine
-    from hzpsim.validation.executor import fit_fabric_to_simulator
+    from hzpsim.executor.calibrate import measure_machine
+    from hzpsim.fitting.machine import calibrate
 
-    path = calibrate_machine(args.world, args.out, quick=args.quick, progress=sys.stderr,
-                             refit=fit_fabric_to_simulator, cpu_pool=args.cpu_pool)
+    per_rank = measure_machine(args.world, quick=args.quick, progress=sys.stderr)
+    path = calibrate(per_rank, args.world, args.out, cpu_pool=args.cpu_pool)
     print(f"wrote {path}")
     return 0

@@ -40,16 +40,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
-
-import yaml
 
 #: GEMM shapes (m, k, n) of the sweep: the grid covers the small GEMMs of a training step on a
 #: CPU (m = tokens of a micro-batch, or k = tokens for a weight gradient), where the rate is far
@@ -61,7 +56,6 @@ QUICK_GEMM_SHAPES = [(64, 128, 128), (256, 384, 128), (1024, 512, 512)]
 MEMORY_ELEMENTS = [2**14, 2**16, 2**18, 2**20, 2**22]
 COLLECTIVE_BYTES = [4096, 65536, 1 << 20, 4 << 20, 16 << 20]
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
-NCCL_SIMPLE_BASE_S = 8.4e-6  # the simulator adds NCCL's ring/Simple base latency to every collective
 
 
 def _timed(fn, min_time_s: float, min_reps: int = 3, reps: int | None = None) -> tuple[float, float]:
@@ -467,109 +461,6 @@ def _time_collective_in_step(kind: str, elements: int, g: int, index: int, group
     return marks
 
 
-def in_step_times(rows: list[list[dict[str, Any]]], world: int) -> list[dict[str, Any]]:
-    """Per kind, group size and size: the mean own duration of the in-step calls (all ranks'
-    marks, :func:`_time_collective_in_step`): from the last member's issue to each member's
-    completion (every rank goes on when its own call returns), averaged over members, calls
-    and groups; ``last_completion_s`` to the last member's completion. Send/recv: the pair of
-    ranks 0 and 1 of each group."""
-    out = []
-    for i, row in enumerate(rows[0]):
-        g = row["group_size"]
-        durations, last = [], []
-        for base in range(0, world - world % g, g):
-            members = list(range(base, base + 2)) if row["kind"] == "send_recv" else list(range(base, base + g))
-            marks = [rows[r][i]["marks"] for r in members]
-            if not all(marks):
-                continue
-            for call in zip(*marks):
-                arrived = max(m[0] for m in call)
-                durations.append(statistics.mean(m[1] - arrived for m in call) / 1e9)
-                last.append((max(m[1] for m in call) - arrived) / 1e9)
-        if durations:
-            out.append({"kind": row["kind"], "group_size": g, "size_bytes": row["size_bytes"],
-                        "time_s": statistics.mean(durations), "last_completion_s": statistics.mean(last)})
-    return out
-
-
-def fit_kind(rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """Latency (s) and seconds per byte of one kind and group size: t = latency + size x
-    per_byte, least squares relative to each point (small and large sizes count alike), both
-    >= 0."""
-    import numpy as np
-
-    a = np.array([[1.0 / r["time_s"], r["size_bytes"] / r["time_s"]] for r in rows])
-    b = np.ones(len(rows))
-    best = None
-    for columns in ((0, 1), (0,), (1,)):  # the unconstrained fit, else the best one-term fit
-        x, *_ = np.linalg.lstsq(a[:, columns], b, rcond=None)
-        if (x < 0).any():
-            continue
-        full = np.zeros(2)
-        full[list(columns)] = x
-        error = float(np.sum((a @ full - b) ** 2))
-        if best is None or error < best[0]:
-            best = (error, full)
-    assert best is not None
-    return float(best[1][0]), float(best[1][1])
-
-
-def _hops(kind: str, n: int) -> int:
-    """Messages a gloo collective's rank waits for in turn (as ``hzpsim.hardware.collectives.gloo_hops``,
-    which this package may not import): ring all-gather n-1, ring all-reduce and the
-    reduce-scatter gloo runs as one 2(n-1), all-to-all n-1, send/recv 1."""
-    if kind == "send_recv":
-        return 1
-    return 2 * (n - 1) if kind in ("all_reduce", "reduce_scatter") else n - 1
-
-
-#: Sizes the hop delay is read from: above this the calls are bandwidth-bound and the
-#: difference between two noisy bandwidth measurements swamps a few ms of waiting.
-HOP_DELAY_MAX_BYTES = 1 << 20
-
-
-def hop_delay(sweep: list[dict[str, Any]], in_step: list[dict[str, Any]]) -> float:
-    """Seconds each message of a collective waits inside a step beyond the back-to-back sweep:
-    least squares of (in-step time - sweep time) = hops x delay over the kinds, group sizes and
-    sizes up to :data:`HOP_DELAY_MAX_BYTES`; >= 0. In the sweep every member sits in the call
-    and a woken thread finds an idle core; in a step the other ranks compute, so the thread a
-    message wakes waits for a core (the scheduler's slice)."""
-    back_to_back = {(r["kind"], r["group_size"], r["size_bytes"]): r["time_s"] for r in sweep if r["time_s"] > 0}
-    num, den = 0.0, 0.0
-    for r in in_step:
-        key = (r["kind"], r["group_size"], r["size_bytes"])
-        if key not in back_to_back or r["size_bytes"] > HOP_DELAY_MAX_BYTES:
-            continue
-        h = _hops(r["kind"], 2 if r["kind"] == "send_recv" else r["group_size"])
-        num += h * (r["time_s"] - back_to_back[key])
-        den += h * h
-    return max(num / den, 0.0) if den else 0.0
-
-
-def in_step_costs(in_step: list[dict[str, Any]], back_to_back: list[list[Any]]) -> list[list[Any]]:
-    """[kind, group size, latency s, seconds per byte] of each call's wall time inside a step:
-    fitted to the in-step loop's time from the last member's arrival to the last member's
-    completion (:func:`in_step_times` ``last_completion_s``) where it was measured, else the
-    back-to-back fit of the same kind and group size."""
-    fits = {(k, g): [k, g, lat, b] for k, g, lat, b in back_to_back}
-    rows = [{**r, "time_s": r["last_completion_s"]} for r in in_step if r.get("last_completion_s", 0) > 0]
-    for kind, g, latency, per_byte in fit_collectives(rows):
-        fits[(kind, g)] = [kind, g, latency, per_byte]
-    return [fits[key] for key in sorted(fits, key=lambda key: (KINDS.index(key[0]), key[1]))]
-
-
-def fit_collectives(rows: list[dict[str, Any]]) -> list[list[Any]]:
-    """[kind, group size, latency s, seconds per byte] for every measured kind and group size."""
-    fits = []
-    for kind in KINDS:
-        for g in sorted({r["group_size"] for r in rows if r["kind"] == kind}):
-            points = [r for r in rows if r["kind"] == kind and r["group_size"] == g and r["time_s"] > 0]
-            if len(points) >= 2:
-                latency, per_byte = fit_kind(points)
-                fits.append([kind, int(g), latency, per_byte])
-    return fits
-
-
 def _issue_time(group, reps: int) -> tuple[float, float]:
     """Mean host time to ISSUE one collective (a 4-byte all_reduce with ``async_op=True``,
     the wait not included): what the calling thread pays per call before it goes on, as (wall
@@ -589,23 +480,6 @@ def _issue_time(group, reps: int) -> tuple[float, float]:
         spent_cpu += time.thread_time() - cpu
         work.wait()
     return spent / reps, spent_cpu / reps
-
-
-def effective_gemm_rate(gemm: list[dict[str, Any]], shapes: Sequence[tuple[float, float, float]],
-                        key: str = "flops_per_s") -> float:
-    """FLOP/s of a set of GEMMs ``(m, k, n)`` (each counted once) at the measured rates
-    (``key``: ``flops_per_s`` in wall time while every rank works, ``cpu_flops_per_s`` alone on
-    a core): each shape takes the rate of the nearest measured shape (log distance over m, k,
-    n), and the rate of the set is total FLOPs over total time (a FLOP-weighted harmonic mean)."""
-    import math
-
-    def rate(m: float, k: float, n: float) -> float:
-        best = min(gemm, key=lambda r: sum(abs(math.log(x / r[d])) for x, d in ((m, "m"), (k, "k"), (n, "n"))))
-        return float(best[key])
-
-    flops = sum(2.0 * m * k * n for m, k, n in shapes)
-    seconds = sum(2.0 * m * k * n / rate(m, k, n) for m, k, n in shapes)
-    return flops / seconds
 
 
 def _time_collective(kind: str, elements: int, g: int, index: int, group, min_time: float) -> tuple[float, float]:
@@ -641,119 +515,6 @@ def _time_collective(kind: str, elements: int, g: int, index: int, group, min_ti
     return _timed(fn, min_time, reps=reps)
 
 
-def fit_fabric(rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """Per-step latency (s) and bandwidth (bytes/s) that best reproduce the measured times with
-    hzpsim's ring model: t = base + steps x latency + volume / bandwidth, where an all-gather or
-    reduce-scatter of S bytes over n ranks takes n-1 steps and moves (n-1)/n S per rank, an
-    all-reduce twice that, an all-to-all one step and (n-1)/n S, a send one step and S.
-    Least squares on times relative to each point (small messages count as much as large)."""
-    import numpy as np
-
-    a, b = [], []
-    for r in rows:
-        if r["time_s"] <= 0:
-            continue
-        n, size, kind = r["group_size"], r["size_bytes"], r["kind"]
-        passes = 2 if kind == "all_reduce" else 1
-        if kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            steps, volume = passes * (n - 1), passes * (n - 1) / n * size
-        elif kind == "all_to_all":
-            steps, volume = 1, (n - 1) / n * size
-        else:
-            steps, volume = 1, size
-        t = r["time_s"] - NCCL_SIMPLE_BASE_S
-        a.append([steps / r["time_s"], volume / r["time_s"]])
-        b.append(t / r["time_s"])
-    solution, *_ = np.linalg.lstsq(np.array(a), np.array(b), rcond=None)
-    latency = max(float(solution[0]), 1e-7)
-    inverse_bandwidth = max(float(solution[1]), 1e-13)
-    return latency, 1.0 / inverse_bandwidth
-
-
-def build_profile(per_rank: list[dict[str, Any]], world: int, cpu_pool: bool = True) -> dict[str, Any]:
-    """The profile from every rank's measurements (compute: mean over ranks; collectives: the
-    slowest rank of each group, i.e. when the call completes everywhere; CPU per call: the mean).
-
-    With ``cpu_pool`` (the default, docs/executor.md) the device is written for the simulator's
-    CPU pool (``Device.node_cpu_cores``): compute and host costs are CPU seconds of a rank alone
-    on a core (the benchmarks' thread CPU time, not their wall time, which includes waiting for
-    a core), the pool's size is the CPU seconds all ranks spent per second of wall while every
-    rank worked (Σ 1 / sharing factor), ``collective_cpu_costs`` the CPU each call's members'
-    backend threads spent during it, and ``collective_costs`` each call's wall time inside a
-    step (:func:`in_step_costs`). Without it every cost is the wall time it took while every
-    rank worked (a rank's share of the cores at the calibration's load) and each collective's
-    back-to-back time, plus the in-step hop delay."""
-    def mean_rows(key: str, fields: tuple[str, ...]) -> list[dict[str, Any]]:
-        return [{**row, **{f: statistics.mean(r[key][i][f] for r in per_rank) for f in fields}}
-                for i, row in enumerate(per_rank[0][key])]
-
-    gemm = mean_rows("gemm", ("flops_per_s", "cpu_flops_per_s"))
-    memory = mean_rows("memory", ("bytes_per_s", "cpu_bytes_per_s"))
-    collectives = [{**row, "time_s": max(r["collectives"][i]["time_s"] for r in per_rank),
-                    "cpu_s": statistics.mean(r["collectives"][i]["cpu_s"] for r in per_rank)}
-                   for i, row in enumerate(per_rank[0]["collectives"])]
-    latency, bandwidth = fit_fabric(collectives)
-    issue = {int(g): max(r["call_issue_s"][g] for r in per_rank) for g in per_rank[0]["call_issue_s"]}
-    issue_cpu = {int(g): statistics.mean(r["call_issue_cpu_s"][g] for r in per_rank) for g in per_rank[0]["call_issue_cpu_s"]}
-    autograd_op = statistics.mean(r["autograd_op_s"] for r in per_rank)
-    eager_op = statistics.mean(r["eager_op_s"] for r in per_rank)
-    sharing = statistics.mean(r["sharing_factor"] for r in per_rank)
-    cores = sum(1.0 / r["sharing_factor"] for r in per_rank)
-    in_step = in_step_times([r["in_step_marks"] for r in per_rank], world)
-    framework = [r["framework"] for r in per_rank if r["framework"]["fsdp2_call_s"] >= 0]
-    call_cpu = max(issue_cpu.values())
-    basis = "cpu_" if cpu_pool else ""  # the rates' and host costs' keys: alone on a core, or wall at load
-    flops = statistics.median(g[basis + "flops_per_s"] for g in gemm)
-    device: dict[str, Any] = {
-        "name": "cpu-local", "peak_fp32_flops_per_s": flops, "peak_bf16_flops_per_s": flops,
-        "peak_fp16_flops_per_s": flops, "memory_bytes_per_s": statistics.median(m[basis + "bytes_per_s"] for m in memory),
-        # host costs: one ATen op of an eager training step, one collective issued
-        "kernel_launch_s": statistics.mean(r["eager_op_cpu_s"] for r in per_rank) if cpu_pool else eager_op,
-        "collective_call_s": call_cpu if cpu_pool else max(issue.values())}
-    suffix = "_cpu_s" if cpu_pool else "_s"
-    if framework:
-        device["fsdp2_call_host_s"] = statistics.mean(f["fsdp2_call" + suffix] for f in framework)
-        device["dtensor_op_host_s"] = statistics.mean(f["dtensor_op" + suffix] for f in framework)
-        if all("asynchzp_op" + suffix in f for f in framework):
-            device["asynchzp_op_host_s"] = statistics.mean(f["asynchzp_op" + suffix] for f in framework)
-    # per kind and group size, from the back-to-back sweep (every member in the call): its time
-    # and the CPU its backend threads spend per member meanwhile (less the issue, which the
-    # simulator charges the caller); with the pool the time is replaced below by the in-step
-    # loop's, where the others compute around the call (docs/executor.md)
-    back_to_back = fit_collectives(collectives)
-    device["collective_costs"] = back_to_back
-    cpu_fits = fit_collectives([{**row, "time_s": row["cpu_s"] - call_cpu} for row in collectives
-                                if row["cpu_s"] - call_cpu > 0])
-    if cpu_pool:
-        # the pool shares the cores; what it cannot know is how long a call holds its members
-        # when the others compute around it: from the last arrival to the last member's release,
-        # measured in the step-like loop (a woken ring thread waits for a core a computing rank
-        # holds, and no member goes on before the ring has passed it)
-        device.update(node_cpu_cores=cores, collective_cpu_costs=cpu_fits,
-                      collective_costs=in_step_costs(in_step, back_to_back))
-    if in_step:
-        device["collective_hop_delay_s"] = hop_delay(collectives, in_step)  # not charged with the pool
-    return {
-        "device": device,
-        "cluster": {"intra_node_bytes_per_s": bandwidth, "inter_node_bytes_per_s_per_device": bandwidth,
-                    "intra_node_latency_s": latency, "inter_node_latency_s": latency,
-                    "intra_node_efficiency": 1.0, "inter_node_efficiency": 1.0},
-        "measurements": {"world_size": world, "threads_per_rank": 1, "gemm": gemm, "memory": memory,
-                         "kernel_launch_s": statistics.mean(r["kernel_launch_s"] for r in per_rank),
-                         "host_cost_per_call_s": max(r["host_cost_per_call_s"] for r in per_rank),
-                         "autograd_op_s": autograd_op, "eager_op_s": eager_op,
-                         "eager_ops_per_probe_step": per_rank[0]["eager_ops_per_step"], "call_issue_s": issue,
-                         "call_issue_cpu_s": issue_cpu, "sharing_factor": sharing,
-                         "node_cpu_cores": cores, "collective_cpu_costs": cpu_fits,
-                         "framework_host": framework,
-                         "collectives": collectives, "collectives_in_step": in_step,
-                         "collective_costs_back_to_back": back_to_back},
-        "source": f"hzpsim calibrate machine --world {world} on {platform.node()} "
-                  f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores), "
-                  f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
-    }
-
-
 def _bar(log: Path, stream: TextIO, state: dict[str, str]) -> None:
     try:
         lines = [line for line in log.read_text(encoding="utf-8").splitlines() if line.startswith("PROGRESS ")]
@@ -768,13 +529,9 @@ def _bar(log: Path, stream: TextIO, state: dict[str, str]) -> None:
     stream.flush()
 
 
-def calibrate_machine(world: int, out: str | None, quick: bool = False, progress: TextIO | None = None,
-                      refit=None, cpu_pool: bool = True) -> Path:
-    """Run the benchmarks on ``world`` processes and write the profile; returns its path.
-
-    ``refit(collectives, world) -> cluster fields`` replaces the ring-formula fit of the fabric
-    (the CLI passes hzpsim.validation.executor.fit_fabric_to_simulator, which fits the simulator's
-    own collective model; this package does not import the simulator)."""
+def measure_machine(world: int, quick: bool = False, progress: TextIO | None = None) -> list[dict[str, Any]]:
+    """Run the benchmarks on ``world`` processes; every rank's raw measurements (the fits that
+    turn them into a device file and a fabric live in ``hzpsim.fitting.machine``)."""
     from hzpsim.executor.runner import launch
 
     state: dict[str, str] = {}
@@ -785,34 +542,7 @@ def calibrate_machine(world: int, out: str | None, quick: bool = False, progress
         if progress is not None:
             _bar(Path(tmp) / "rank0.log", progress, state)
             progress.write("\n")
-        per_rank = json.loads((Path(tmp) / "bench.json").read_text(encoding="utf-8"))
-    profile = build_profile(per_rank, world, cpu_pool)
-    if refit is not None:
-        profile["measurements"]["ring_formula_fit"] = dict(profile["cluster"])
-        profile["cluster"].update(refit(profile["measurements"]["collectives"], world))
-    return write_profile(profile, out)
-
-
-def write_profile(profile: dict[str, Any], out: str | None) -> Path:
-    """``out`` gets the whole profile; without it, the user config folder gets the local-cpu
-    preset and the cpu-local device override the simulator reads."""
-    header = f"# {profile['source']}\n# written by `hzpsim calibrate machine`; read by hzpsim validate executor --profile\n"
-    if out is not None:
-        path = Path(out)
-        path.write_text(header + yaml.safe_dump(profile, sort_keys=False), encoding="utf-8")
-        return path
-    from hzpsim.presets import user_config_dir
-
-    base = user_config_dir()
-    (base / "topologies").mkdir(parents=True, exist_ok=True)
-    (base / "devices").mkdir(parents=True, exist_ok=True)
-    preset = {"preset": "local-cpu", "device": "cpu-local", "gpus_per_node": profile["measurements"]["world_size"],
-              "islands_per_node": 1, "nodes_per_leaf": 64, "spine_oversubscription": 1.0, **profile["cluster"]}
-    topo = base / "topologies" / "local-cpu.yaml"
-    topo.write_text(header + yaml.safe_dump(preset, sort_keys=False), encoding="utf-8")
-    device = {k: v for k, v in profile["device"].items() if k != "name"}
-    (base / "devices" / "cpu-local.yaml").write_text(header + yaml.safe_dump(device, sort_keys=False), encoding="utf-8")
-    return topo
+        return json.loads((Path(tmp) / "bench.json").read_text(encoding="utf-8"))
 
 
 def main(argv: list[str] | None = None) -> int:

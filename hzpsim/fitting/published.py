@@ -110,7 +110,7 @@ def _simulate(scenario_mapping: dict[str, Any], prof: Profile) -> tuple[float, f
     with every compute rate ``STEP`` times slower, and with every host op ``STEP`` times
     longer; the compute-time shares of its first rank; its device group."""
     from hzpsim import strategies
-    from hzpsim.hardware.compute import DEVICE_GROUP, ComputeModel, efficiency_for
+    from hzpsim.hardware.compute import ComputeModel, efficiency_for
     from hzpsim.model.ops import HOST_STREAM
     from hzpsim.report import build_report
     from hzpsim.run import _resolve
@@ -150,7 +150,7 @@ def _simulate(scenario_mapping: dict[str, Any], prof: Profile) -> tuple[float, f
                     if k in parts:
                         parts[k] += v
         total = sum(parts.values()) or 1.0
-    return base, compute, host, {k: v / total for k, v in parts.items()}, DEVICE_GROUP.get(topology.device.name)
+    return base, compute, host, {k: v / total for k, v in parts.items()}, topology.device.efficiency.gemm_constant
 
 
 def row_terms(measurement: Measurement, anchor: Profile) -> Terms:

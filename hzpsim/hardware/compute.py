@@ -24,84 +24,27 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from hzpsim.calibration import profile as calibration
-from hzpsim.hardware.devices import Device
+from hzpsim.hardware.devices import Device, Efficiency
 from hzpsim.model.kernels import Attention, Gemm, Shape
 from hzpsim.model.ops import Op
 
 
-@dataclass(frozen=True, kw_only=True)
-class Efficiency:
-    """Achieved fraction of peak per kernel class on one device, with its source."""
-
-    gemm: float
-    """Large dense GEMM, fraction of the dense peak of the GEMM dtype (bf16/fp16)."""
-    attention_forward: float
-    """Flash-attention forward kernel (bf16), fraction of the dense peak."""
-    attention_backward: float
-    """Flash-attention backward kernel (bf16), fraction of the dense peak."""
-    hbm: float
-    """Streaming (memory-bound) kernels, fraction of the HBM bandwidth."""
-    source: str
-    """Where the fractions come from (docs/hardware-constants.md)."""
-    comm_overlap_slowdown: float = 0.0
-    """Compute runs 1/(1 + this) as fast while the rank communicates (SM contention)."""
-    gemm_fp8: float | None = None
-    """Large fp8 GEMM, fraction of the fp8 peak (None: no fp8 units)."""
-    attention_fraction: float = 1.0
-    """Fraction of the attention kernel's benchmark speed reached in training (calibrated)."""
-
-
-# docs/hardware-constants.md §1 (GEMM: stas00/ml-engineering "Maximum Achievable Matmul FLOPS"),
-# §2 (FlashAttention-2 paper on A100; on H100 the published runs use FA2-class kernels, which
-# reach 335 TF/s forward+backward = 0.34 of peak per the FA2 blog / FA3 abstract), §4 (HBM:
-# ~0.87-0.90), §6 (NCCL kernels slow overlapped compute by 18.9 % on average, Lee et al. 2025,
-# arXiv 2507.03114).
-_FA2_A100 = {"attention_forward": 0.73, "attention_backward": 0.63}  # Dao 2023 §1: up to 73 % fwd, 63 % bwd
-_FA2_H100 = {"attention_forward": 0.34, "attention_backward": 0.34}  # FA2 on H100: 335 TF/s, "only 35 %"
-_SM_CONTENTION = 0.189  # measured average compute slowdown while NCCL collectives overlap it
-_A100_SOURCE = "MAMF A100 SXM 271/312 TF; FA2 paper; A100 memcopy 87 %"
-EFFICIENCY: dict[str, Efficiency] = {
-    "a100-40gb": Efficiency(gemm=0.869, **_FA2_A100, hbm=0.87, source=_A100_SOURCE,
-                            comm_overlap_slowdown=_SM_CONTENTION),
-    "a100-80gb": Efficiency(gemm=0.869, **_FA2_A100, hbm=0.87, source=_A100_SOURCE,
-                            comm_overlap_slowdown=_SM_CONTENTION),
-    "h100-sxm": Efficiency(gemm=0.803, **_FA2_H100, hbm=0.90,
-                           source="MAMF H100 SXM 794/989 TF (fp8 1403/1979); FA2 on H100; FlashMLA H800 3000/3350 GB/s",
-                           comm_overlap_slowdown=_SM_CONTENTION, gemm_fp8=0.709),
-    "h200": Efficiency(gemm=0.803, **_FA2_H100, hbm=0.90,
-                       source="MAMF: 'H200 is the same' as H100 (fp8 1453/1979); FA2 on H100",
-                       comm_overlap_slowdown=_SM_CONTENTION, gemm_fp8=0.734),
-    "mi250x": Efficiency(gemm=0.767, **_FA2_A100, hbm=0.87, source="MAMF MI250X GCD 147/191.5 TF; FA2-class kernels [INF]",
-                         comm_overlap_slowdown=_SM_CONTENTION),
-    "v100": Efficiency(gemm=0.85, attention_forward=0.60, attention_backward=0.50, hbm=0.87,
-                       source="[INF] V100 PCIe ~90 % (forum); no flash kernels on V100",
-                       comm_overlap_slowdown=_SM_CONTENTION),
-    "npu-910b": Efficiency(gemm=0.80, attention_forward=0.60, attention_backward=0.50, hbm=0.87,
-                           source="[INF] H100-class fractions; 910B peak not sourced",
-                           comm_overlap_slowdown=_SM_CONTENTION),
-    "cpu-local": Efficiency(gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0,
-                            source="peaks are this machine's measured rates"),
-}
-
-
 def efficiency_for(device: Device) -> Efficiency:
-    """The device's efficiencies, with the active calibration profile's fitted constants."""
-    base = EFFICIENCY[device.name]
-    if device.name == "cpu-local":  # its rates are this machine's measurements
+    """The device's efficiencies (its file's priors), with the active calibration profile's
+    fitted constants where the device file says they apply (``efficiency.calibrated``)."""
+    base = device.efficiency
+    if not base.calibrated:  # its rates are measurements (a CPU box, a calibrated machine)
         return base
     fit = calibration.active()
-    group = DEVICE_GROUP.get(device.name)
+    group = base.gemm_constant
     gemm = fit[f"gemm_sm_efficiency.{group}"] if group else base.gemm
     fp8 = base.gemm_fp8 * gemm / base.gemm if base.gemm_fp8 is not None else None
     return replace(base, gemm=gemm, gemm_fp8=fp8, hbm=fit["elementwise_hbm_efficiency"],
                    attention_fraction=fit["attention_kernel_fraction"])
 
-
-#: Devices that share a fitted GEMM constant (same SM design).
-DEVICE_GROUP = {"a100-40gb": "a100", "a100-80gb": "a100", "h100-sxm": "h100", "h200": "h100"}
 
 #: Threadblock tiles (M×N) that cuBLAS/CUTLASS pick from for 16-bit tensor-core GEMMs on
 #: Ampere and Hopper (CUTLASS's default Sm80/Sm90 tile configurations; NVIDIA's matmul guide
@@ -122,22 +65,9 @@ def tile_rate_fraction(tm: int, tn: int) -> float:
     return min(1.0, tm * tn / (tm + tn) / _FULL_RATE_INTENSITY)
 
 
-#: Fused attention speed as a fraction of the device's dense 16-bit peak, long sequences,
-#: forward, at head dimension (64, 128). H100: FlashAttention-3 paper (Shah et al. 2024,
-#: arXiv 2407.08608) Fig. 5, non-causal forward, 16k tokens: FA2 322/370, FA3 497/648, cuDNN
-#: 412/600, Triton 401/395 TFLOP/s of 989. A100: FlashAttention-2 paper (Dao 2023) §1: FA2 up
-#: to 73 % forward, 63 % backward (head dim 128); head dim 64 by the H100 FA2 ratio 322/370;
-#: FA2 is "1.3-2.5x faster than FlashAttention in Triton" (same paper, §4.1): Triton at FA2/1.8
-#: (the geometric middle); cuDNN on A100 as FA2 [INF]; FA3 needs Hopper.
-ATTENTION: dict[tuple[str, str], tuple[float, float]] = {
-    ("a100", "flash2"): (0.73 * 322 / 370, 0.73),
-    ("a100", "cudnn"): (0.73 * 322 / 370, 0.73),
-    ("a100", "triton"): (0.73 * 322 / 370 / 1.8, 0.73 / 1.8),
-    ("h100", "flash2"): (322 / 989.4, 370 / 989.4),
-    ("h100", "flash3"): (497 / 989.4, 648 / 989.4),
-    ("h100", "cudnn"): (412 / 989.4, 600 / 989.4),
-    ("h100", "triton"): (401 / 989.4, 395 / 989.4),
-}
+#: Fused attention speed per kernel family: the device file's ``efficiency.attention_rates``
+#: (forward, long sequences, head dimension 64 and 128, fractions of the dense 16-bit peak),
+#: each with its source there (FlashAttention-2/-3 papers).
 #: Backward over forward speed of a fused attention kernel: FA2 on A100, 63 % / 73 % (Dao 2023).
 ATTENTION_BACKWARD_RATIO = 0.63 / 0.73
 #: Sequence length (keys) at which a flash kernel runs at half its long-sequence speed: FA2 on
@@ -171,7 +101,7 @@ class ComputeModel:
         self._hbm_bytes_per_s = device.memory_bytes_per_s * eff.hbm
         self._operand_bytes = 1 if dtype == "fp8" else (4 if dtype == "fp32" else 2)
         self._sm_rate = self._rate["gemm"] / device.num_sms if device.num_sms else 0.0
-        self._group = DEVICE_GROUP.get(device.name)
+        self._attention = {k: (hd64, hd128) for k, hd64, hd128 in eff.attention_rates}
         self._gemm_s: dict[tuple[float, float, float, float], float] = {}
         self._shapes_s: dict[tuple[Shape, ...], float] = {}
 
@@ -207,12 +137,12 @@ class ComputeModel:
     def attention_s(self, a: Attention) -> float:
         """Seconds of an attention kernel call (all ``calls``)."""
         rate = self._rate["attention_backward" if a.backward else "attention_forward"]
-        if self._group is not None:
+        if self._attention:
             kernel = DEFAULT_ATTENTION_KERNEL if a.kernel == "auto" else a.kernel
-            if (self._group, kernel) not in ATTENTION:
+            if kernel not in self._attention:
                 raise ValueError(f"attention_kernel: {kernel!r} does not run on {self.device.name}"
-                                 f" (runs there: {', '.join(k for g, k in ATTENTION if g == self._group)})")
-            hd64, hd128 = ATTENTION[(self._group, kernel)]
+                                 f" (runs there: {', '.join(self._attention)})")
+            hd64, hd128 = self._attention[kernel]
             d = min(max(a.head_dim, 64), 128)
             fraction = hd64 + (hd128 - hd64) * (d - 64) / 64
             if a.backward:

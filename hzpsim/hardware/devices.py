@@ -1,6 +1,10 @@
-"""Device catalog: peak dense FLOP/s per dtype, HBM capacity and bandwidth.
+"""Devices as data: one YAML file per device, read into a :class:`Device`.
 
-Every number carries its source. Tags follow ``docs/strategies.md``: [SRC] primary source
+The built-in devices are the files in ``hzpsim/data/devices/`` (``hzpsim list devices``); a
+scenario's ``cluster.device`` names one of them or gives the path of a device file of the same
+format (``docs/hardware-constants.md``, "Device files"), and ``hzpsim calibrate machine`` writes
+one measured on the user's machine. A file with a missing or nonsensical field is refused with
+a ``ValueError`` naming the field. Every number carries its source. Tags follow ``docs/strategies.md``: [SRC] primary source
 (vendor datasheet / official docs), [SEC] secondary source, [INF] our own inference.
 
 Conventions (apply to every entry):
@@ -20,13 +24,51 @@ Conventions (apply to every entry):
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 PRECISIONS = ("bf16", "fp16", "fp8", "fp32")
 
 TERA = 1e12
 GIGA = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Efficiency:
+    """Achieved fraction of peak per kernel class on one device (priors, each with its source;
+    the calibration profile replaces ``gemm``, ``hbm`` and the attention fraction on a device
+    whose ``calibrated`` is true: ``hardware/compute.py`` ``efficiency_for``)."""
+
+    gemm: float
+    """Large dense GEMM, fraction of the dense peak of the GEMM dtype (bf16/fp16)."""
+    attention_forward: float
+    """Flash-attention forward kernel (bf16), fraction of the dense peak."""
+    attention_backward: float
+    """Flash-attention backward kernel (bf16), fraction of the dense peak."""
+    hbm: float
+    """Streaming (memory-bound) kernels, fraction of the HBM bandwidth."""
+    source: str
+    """Where the fractions come from (docs/hardware-constants.md)."""
+    comm_overlap_slowdown: float = 0.0
+    """Compute runs 1/(1 + this) as fast while the rank communicates (SM contention)."""
+    gemm_fp8: float | None = None
+    """Large fp8 GEMM, fraction of the fp8 peak (None: no fp8 units)."""
+    attention_fraction: float = 1.0
+    """Fraction of the attention kernel's benchmark speed reached in training (calibrated)."""
+    calibrated: bool = True
+    """The calibration profile's fitted constants apply (False: the rates are this machine's
+    measurements, e.g. a device file written by ``hzpsim calibrate machine``)."""
+    gemm_constant: str | None = None
+    """Suffix of the fitted ``gemm_sm_efficiency.<suffix>`` constant shared by devices of one SM
+    design (None: ``gemm`` stays the prior)."""
+    attention_rates: tuple[tuple[str, float, float], ...] = ()
+    """Per fused attention kernel family, its forward speed as a fraction of the dense 16-bit
+    peak at head dimension 64 and at 128 (long sequences); () = one rate for every kernel."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +91,10 @@ class Device:
     power_limit_w: float | None = None  # power cap the device runs under; None = tdp_w
     attention_kernels: tuple[str, ...] = ()  # fused attention kernel families that run on it
     # (training.attention_kernel); () = not tracked (attention at one fused-kernel rate)
+    efficiency: Efficiency = field(default_factory=lambda: Efficiency(
+        gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="peaks are measured rates",
+        calibrated=False))
+    path: str | None = None  # the device file it was read from (None: built in code)
 
     @property
     def sustained_clock_fraction(self) -> float:
@@ -69,13 +115,12 @@ class Device:
     # measured by `hzpsim calibrate machine` only (None / () = not measured: nothing changes):
     # per collective kind and group size, (kind, group_size, latency_s, seconds_per_byte) of the
     # backend's own algorithms, timed inside a step-like loop (hardware/collectives.py uses them
-    # instead of NCCL's model); the host cost of FSDP2's Python per parameter gather / gradient
-    # reduce call and of DTensor's dispatch per ATen op (strategies/_implementations.py applies
-    # them to the fsdp2 and dtensor profiles)
+    # instead of NCCL's model)
     collective_costs: tuple[tuple[str, int, float, float], ...] = ()
-    fsdp2_call_host_s: float | None = None
-    dtensor_op_host_s: float | None = None
-    asynchzp_op_host_s: float | None = None  # hzpsim's AsyncHZP executor's Python per op (its hooks and threads)
+    # host costs of a framework's own Python, keyed by the implementation profile's
+    # ``framework_host`` (strategies/_implementations.py): (framework, "call_s" | "op_s", seconds),
+    # "call_s" per collective call, "op_s" per dispatched op instead of ``kernel_launch_s``
+    framework_host_s: tuple[tuple[str, str, float], ...] = ()
     # what each hop of such a collective waits inside a step for its receiving thread to get a
     # core back from ranks that compute (measured: in-step minus back-to-back, per hop; not
     # charged on a device with a CPU pool, whose sharing of the cores it stood in for)
@@ -92,11 +137,43 @@ class Device:
     # seconds each member's backend threads spend per call (gloo's copies, reductions and TCP
     # loopback), measured with the calls back to back; used only with the CPU pool
     collective_cpu_costs: tuple[tuple[str, int, float, float], ...] = ()
+    # the GEMM sweep measured on this device (`hzpsim calibrate machine`): (m, k, n, FLOP/s in
+    # wall time while every rank works, FLOP/s of one rank alone on a core); a scenario on it
+    # runs its GEMMs at the rate the sweep gives its shapes (:func:`effective_gemm_rate`)
+    gemm_sweep: tuple[tuple[float, float, float, float, float], ...] = ()
 
     @property
     def memory_label_gb(self) -> float:
         """The memory size the vendor's name gives (e.g. 80 for "H100 80GB")."""
         return self.nominal_memory_gb if self.nominal_memory_gb is not None else self.memory_bytes / 1e9
+
+    def framework_cost_s(self, framework: str, what: str) -> float | None:
+        """The measured host cost ``what`` ("call_s" or "op_s") of ``framework``'s Python, or None."""
+        for name, kind, seconds in self.framework_host_s:
+            if name == framework and kind == what:
+                return seconds
+        return None
+
+    def scaled_costs(self, factor: float) -> Device:
+        """This device when every CPU cost takes ``factor`` times as long (rates / factor, host
+        and collective seconds x factor); with a CPU pool, a pool of 1/``factor`` the cores."""
+        if self.node_cpu_cores:
+            return replace(self, node_cpu_cores=self.node_cpu_cores / factor)
+
+        def times(value):
+            return value * factor if value is not None else None
+
+        def rate(value):
+            return value / factor if value is not None else None
+
+        return replace(
+            self, peak_fp32_flops_per_s=rate(self.peak_fp32_flops_per_s),
+            peak_bf16_flops_per_s=rate(self.peak_bf16_flops_per_s), peak_fp16_flops_per_s=rate(self.peak_fp16_flops_per_s),
+            memory_bytes_per_s=rate(self.memory_bytes_per_s), kernel_launch_s=times(self.kernel_launch_s),
+            collective_call_s=times(self.collective_call_s),
+            framework_host_s=tuple((f, k, s * factor) for f, k, s in self.framework_host_s),
+            collective_hop_delay_s=times(self.collective_hop_delay_s),
+            collective_costs=tuple((k, g, lat * factor, per_byte * factor) for k, g, lat, per_byte in self.collective_costs))
 
     def peak_flops_per_s(self, precision: str) -> float:
         """Dense peak FLOP/s for GEMMs in ``precision`` (bf16 | fp16 | fp8 | fp32).
@@ -118,222 +195,318 @@ class Device:
             return self.peak_fp32_flops_per_s
         raise ValueError(f"unknown precision {precision!r} (known: {', '.join(PRECISIONS)})")
 
+    def to_file(self) -> dict[str, Any]:
+        """This device as a device-file mapping (:func:`load_device` reads it back equal)."""
+        e = self.efficiency
+        doc: dict[str, Any] = {
+            "name": self.name, "source": self.source,
+            "peak_flops_per_s": {"bf16": self.peak_bf16_flops_per_s, "fp16": self.peak_fp16_flops_per_s,
+                                 "fp8": self.peak_fp8_flops_per_s, "fp32": self.peak_fp32_flops_per_s},
+            "memory_bytes": self.memory_bytes, "memory_bytes_per_s": self.memory_bytes_per_s,
+            "nominal_memory_gb": self.nominal_memory_gb, "num_sms": self.num_sms, "tdp_w": self.tdp_w,
+            "power_limit_w": self.power_limit_w,
+            "default_cluster_preset": self.default_cluster_preset, "attention_kernels": list(self.attention_kernels),
+            "efficiency": {"gemm": e.gemm, "gemm_fp8": e.gemm_fp8, "attention_forward": e.attention_forward,
+                           "attention_backward": e.attention_backward, "hbm": e.hbm,
+                           "comm_overlap_slowdown": e.comm_overlap_slowdown, "attention_fraction": e.attention_fraction,
+                           "calibrated": e.calibrated, "gemm_constant": e.gemm_constant, "source": e.source,
+                           "attention_rates": {k: [a, b] for k, a, b in e.attention_rates}},
+            "host": {"kernel_launch_s": self.kernel_launch_s, "collective_call_s": self.collective_call_s,
+                     "synchronous": self.synchronous_host,
+                     "communication_uses_compute_cores": self.communication_uses_compute_cores,
+                     "frameworks": _frameworks_doc(self.framework_host_s),
+                     "collective_hop_delay_s": self.collective_hop_delay_s, "node_cpu_cores": self.node_cpu_cores,
+                     "collective_costs": [list(r) for r in self.collective_costs],
+                     "collective_cpu_costs": [list(r) for r in self.collective_cpu_costs]},
+            "gemm_sweep": [list(r) for r in self.gemm_sweep],
+        }
+        return _plain(doc)
 
-# --- the catalog --------------------------------------------------------------------------
 
-_A100_SRC = (
-    "[SRC] NVIDIA A100 Tensor Core GPU datasheet: BF16/FP16 tensor 312 TF dense (624 sparse), "
-    "FP32 19.5 TF (TF32 156 TF dense, not used: see module docstring), no FP8; "
-    "strategies.md §4 (312 TF, 2.039 TB/s for 80GB SXM4)."
-)
+def _frameworks_doc(rows: tuple[tuple[str, str, float], ...]) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for framework, kind, seconds in rows:
+        out.setdefault(framework, {})[kind] = seconds
+    return out
 
-DEVICES: dict[str, Device] = {
-    d.name: d
-    for d in (
-        Device(
-            name="a100-40gb",
-            peak_bf16_flops_per_s=312 * TERA,
-            peak_fp16_flops_per_s=312 * TERA,
-            peak_fp8_flops_per_s=None,  # Ampere has no fp8 tensor cores
-            peak_fp32_flops_per_s=19.5 * TERA,
-            memory_bytes=40 * GIGA,  # 40 GB HBM2 [SRC datasheet]
-            memory_bytes_per_s=1555 * GIGA,  # 1,555 GB/s [SRC datasheet, A100 40GB SXM]
-            num_sms=108, tdp_w=400,
-            attention_kernels=("flash2", "cudnn", "triton"),  # FlashAttention-3 needs Hopper (FA3 README)
-            default_cluster_preset="dgx-a100",
-            source=_A100_SRC + " 40GB SXM: 40 GB HBM2 at 1,555 GB/s [SRC datasheet].",
-        ),
-        Device(
-            name="a100-80gb",
-            peak_bf16_flops_per_s=312 * TERA,
-            peak_fp16_flops_per_s=312 * TERA,
-            peak_fp8_flops_per_s=None,
-            peak_fp32_flops_per_s=19.5 * TERA,
-            # torch.cuda.get_device_properties().total_memory of an A100-SXM4-80GB: 85,056,798,720 B
-            # (79.2 GiB) [SEC: recorded in a public test fixture]
-            memory_bytes=85_056_798_720,
-            nominal_memory_gb=80,
-            memory_bytes_per_s=2039 * GIGA,  # 2,039 GB/s [SRC datasheet; strategies.md §4]
-            num_sms=108, tdp_w=400,
-            attention_kernels=("flash2", "cudnn", "triton"),  # FlashAttention-3 needs Hopper (FA3 README)
-            default_cluster_preset="dgx-a100",
-            source=_A100_SRC + " 80GB SXM: 80 GB HBM2e at 2,039 GB/s.",
-        ),
-        Device(
-            name="h100-sxm",
-            peak_bf16_flops_per_s=989.4 * TERA,  # 1,979 sparse / 2 [SRC; strategies.md §4]
-            peak_fp16_flops_per_s=989.4 * TERA,
-            peak_fp8_flops_per_s=1978.9 * TERA,  # 3,958 sparse / 2 [SRC H100 datasheet]
-            peak_fp32_flops_per_s=66.9 * TERA,  # FP32 67 TF [SRC datasheet] (TF32 494.7 dense)
-            # nvidia-smi "81559MiB" total for an H100 80GB HBM3 = 85,521,612,800 B (79.65 GiB)
-            # [SEC: many public nvidia-smi logs]
-            memory_bytes=81559 * 2**20,
-            nominal_memory_gb=80,
-            memory_bytes_per_s=3.35 * TERA,  # 3.35 TB/s
-            num_sms=132, tdp_w=700,
-            attention_kernels=("flash2", "flash3", "cudnn", "triton"),
-            default_cluster_preset="dgx-h100",
-            source=(
-                "[SRC] NVIDIA H100 Tensor Core GPU datasheet (SXM5): BF16/FP16 1,979 TF and FP8 "
-                "3,958 TF *with sparsity* (dense = half), FP32 67 TF, 80 GB HBM3 at 3.35 TB/s; "
-                "strategies.md §4 (989.4 TF dense, 3.35 TB/s)."
-            ),
-        ),
-        Device(
-            name="h200",
-            peak_bf16_flops_per_s=989.4 * TERA,  # same GH100 die as H100 SXM [strategies.md §4]
-            peak_fp16_flops_per_s=989.4 * TERA,
-            peak_fp8_flops_per_s=1978.9 * TERA,
-            peak_fp32_flops_per_s=66.9 * TERA,
-            memory_bytes=141 * GIGA,  # 141 GB HBM3e
-            memory_bytes_per_s=4.8 * TERA,  # 4.8 TB/s
-            num_sms=132, tdp_w=700,
-            attention_kernels=("flash2", "flash3", "cudnn", "triton"),
-            default_cluster_preset="dgx-h200",
-            source=(
-                "[SRC] NVIDIA H200 datasheet (SXM): compute as H100 SXM (1,979 TF BF16 sparse = "
-                "989 dense; the 1,979 figure sometimes listed as dense is the sparse one), "
-                "141 GB HBM3e at 4.8 TB/s; strategies.md §4."
-            ),
-        ),
-        Device(
-            name="mi250x",  # ONE GCD (a MI250X package holds two; Frontier schedules per GCD)
-            peak_bf16_flops_per_s=383 * TERA / 2,  # 383 TF per package [SRC AMD] -> 191.5/GCD
-            peak_fp16_flops_per_s=383 * TERA / 2,
-            peak_fp8_flops_per_s=None,  # CDNA2 has no fp8 matrix cores
-            peak_fp32_flops_per_s=95.7 * TERA / 2,  # FP32 matrix 95.7 TF per package [SRC AMD]
-            memory_bytes=64 * GIGA,  # 128 GB HBM2e per package, 64 per GCD
-            memory_bytes_per_s=1.6 * TERA,  # 3.2 TB/s per package, 1.6 per GCD
-            num_sms=110,  # compute units per GCD [SRC AMD CDNA2 whitepaper: 220 CUs per MI250X]
-            default_cluster_preset="frontier",
-            source=(
-                "[SRC] AMD Instinct MI250X datasheet: 383 TF peak FP16/BF16 matrix, 95.7 TF FP32 "
-                "matrix, 128 GB HBM2e at 3.2 TB/s per package (2 GCDs); per-GCD values are "
-                "halves, per OLCF Frontier User Guide (64 GB, 1.6 TB/s per GCD); strategies.md §4."
-            ),
-        ),
-        Device(
-            name="v100",  # V100 SXM2 32GB
-            # Volta has no bf16 tensor cores: bf16 GEMMs run on the CUDA cores at the fp32 rate
-            # [INF: sm_70 has HMMA for fp16 only].
-            peak_bf16_flops_per_s=15.7 * TERA,
-            peak_fp16_flops_per_s=125 * TERA,  # tensor performance 125 TF [SRC datasheet]
-            peak_fp8_flops_per_s=None,
-            peak_fp32_flops_per_s=15.7 * TERA,  # single precision 15.7 TF [SRC datasheet]
-            memory_bytes=32 * GIGA,  # 32 GB HBM2 (16 GB SKU exists)
-            memory_bytes_per_s=900 * GIGA,  # 900 GB/s
-            num_sms=80, tdp_w=300,
-            default_cluster_preset="dgx2-v100",
-            source=(
-                "[SRC] NVIDIA Tesla V100 datasheet (SXM2): tensor 125 TF (fp16), FP32 15.7 TF, "
-                "32 GB HBM2 at 900 GB/s; no bf16/fp8 tensor cores, bf16 at the FP32 rate [INF]."
-            ),
-        ),
-        Device(
-            name="npu-910b",
-            peak_bf16_flops_per_s=300 * TERA,  # AsyncHZP paper's cluster figure (DESIGN §4/§5)
-            peak_fp16_flops_per_s=300 * TERA,
-            peak_fp8_flops_per_s=None,  # 910B has no fp8 cube support [SEC: gitee AI docs list FP16/BF16/INT8]
-            # No published fp32 GEMM rate was found: fp32 scenarios on this device are refused.
-            peak_fp32_flops_per_s=None,
-            memory_bytes=64 * GIGA,  # 64 GB HBM2e [SEC: gitee AI docs; AsyncHZP reading note]
-            memory_bytes_per_s=1.6 * TERA,  # ≈1.6 TB/s, unconfirmed [strategies.md §4]
-            default_cluster_preset="hzp-npu",
-            source=(
-                "AsyncHZP (arXiv 2510.20111) cluster as reported secondhand: ~300 dense BF16 TF, "
-                "64 GB (DESIGN §4) [SEC]; Ascend 910B class 280-376 TF [SEC strategies.md §4]; "
-                "HBM bandwidth ≈1.6 TB/s unconfirmed [strategies.md §4]; no published fp32 GEMM rate."
-            ),
-        ),
-        Device(
-            name="cpu-local",  # ONE of the 2 worker processes of the local CPU box (1 core each)
-            # Measured 2026-11-21 on this machine (Intel Xeon, 2 vCPUs, 24.7 GB RAM, numpy 2.4.6,
-            # OpenBLAS 0.3.31), script: fp32 (n=2048)^3 matmul best of 10; np.copyto 256 MiB best
-            # of 10 counting read+write bytes:
-            #   OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1: 1.12e11 FLOP/s, 2.12e10 B/s
-            #   OMP_NUM_THREADS=2 OPENBLAS_NUM_THREADS=2: 2.35e11 and 1.81e11 FLOP/s (two runs,
-            #   noisy), 2.04e10-2.30e10 B/s
-            # Per device we take the 1-core figures (2 processes share the 2 cores).
-            # bf16/fp16: no native matmul units on this CPU -> set to the fp32 rate (an upper
-            # bound; torch bf16 CPU GEMMs are usually slower; `hzpsim calibrate` refines it).
-            peak_bf16_flops_per_s=1.12e11,
-            peak_fp16_flops_per_s=1.12e11,
-            peak_fp8_flops_per_s=None,
-            peak_fp32_flops_per_s=1.12e11,
-            memory_bytes=24731700 * 1024 / 2,  # MemTotal (/proc/meminfo) split between 2 procs
-            memory_bytes_per_s=2.12e10,  # single-stream copy; both procs share the memory bus
-            # Host costs until `hzpsim calibrate machine` measures them on the user's box:
-            # kernel: a [1] torch.mul recorded by autograd, 4.0 us in one unloaded process
-            # (torch 2.13.0, 1 thread, mean of 20,000 calls, 2026-11-23); call: issuing a 2-rank
-            # gloo all_reduce(async_op=True), 1.5e-4 s with 4 processes on the 2 vCPUs
-            # (docs/executor-results/profile-world4.yaml, measurements.call_issue_s).
-            kernel_launch_s=4.0e-6,
-            collective_call_s=1.5e-4,
-            synchronous_host=True,  # eager CPU kernels run on the Python thread that dispatches them
-            # gloo's all-gathers etc. are memcpy + TCP loopback on the same vCPUs (no DMA engine,
-            # no NIC offload): torch/csrc/distributed/c10d/ProcessGroupGloo.cpp runs each call's
-            # algorithm on a CPU worker thread of the calling process
-            communication_uses_compute_cores=True,
-            default_cluster_preset="local-cpu",
-            source=(
-                "measured 2026-11-21 on this box with /tmp/measure_cpu.py-style numpy script: "
-                "`OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python measure_cpu.py` -> fp32 matmul "
-                "(2048^3, best of 10) 1.12e11 FLOP/s, np.copyto 256 MiB (read+write, best of 10) "
-                "2.12e10 B/s; with 2 threads 1.8-2.35e11 FLOP/s. RAM MemTotal 24,731,700 kB split "
-                "over 2 processes. Placeholder until `hzpsim calibrate` re-measures."
-            ),
-        ),
+
+def _plain(value: Any) -> Any:
+    """Drop None values and empty tables, so that a written file holds only what is known."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None and v != [] and v != {}}
+    return value
+
+
+# --- device files ---------------------------------------------------------------------------
+
+#: The folder of the built-in device files, shipped in the package.
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "data" / "devices"
+
+
+class _Reader:
+    """Typed reads of one device file's mapping; ValueError naming the file and the field."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: a device file must be a mapping")
+        self.data, self.where = data, where
+
+    def section(self, key: str, required: bool = False) -> _Reader:
+        value = self.data.get(key)
+        if value is None and not required:
+            value = {}
+        if not isinstance(value, dict):
+            raise ValueError(f"{self.where}: {key}: must be a mapping")
+        return _Reader(value, f"{self.where}: {key}.")
+
+    def _fail(self, key: str, what: str) -> ValueError:
+        where = self.where if self.where.endswith(".") else self.where + ": "
+        return ValueError(f"{where}{key}: {what}, got {self.data.get(key)!r}")
+
+    def number(self, key: str, required: bool = False, low: float = 0.0, high: float = math.inf,
+               strict: bool = True) -> float | None:
+        v = self.data.get(key)
+        if v is None:
+            if required:
+                raise self._fail(key, "missing (a number is required)")
+            return None
+        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        ok = ok and (v > low if strict else v >= low) and v <= high
+        if not ok:
+            bound = f"{'>' if strict else '>='} {low:g}" + (f" and <= {high:g}" if high < math.inf else "")
+            raise self._fail(key, f"must be a finite number {bound}")
+        return float(v)
+
+    def text(self, key: str, required: bool = False) -> str | None:
+        v = self.data.get(key)
+        if v is None and not required:
+            return None
+        if not isinstance(v, str) or not v.strip():
+            raise self._fail(key, "must be a non-empty string")
+        return v
+
+    def flag(self, key: str, default: bool) -> bool:
+        v = self.data.get(key, default)
+        if not isinstance(v, bool):
+            raise self._fail(key, "must be true or false")
+        return v
+
+    def table(self, key: str, width: int) -> list[list[Any]]:
+        v = self.data.get(key) or []
+        if not isinstance(v, list) or any(not isinstance(r, list) or len(r) != width for r in v):
+            raise self._fail(key, f"must be a list of rows of {width} values")
+        return v
+
+
+def _cost_table(reader: _Reader, key: str) -> tuple[tuple[str, int, float, float], ...]:
+    rows = []
+    for i, row in enumerate(reader.table(key, 4)):
+        kind, group, a, b = row
+        if (not isinstance(kind, str) or isinstance(group, bool) or not isinstance(group, int) or group < 1
+                or any(isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x < 0 for x in (a, b))):
+            raise ValueError(f"{reader.where}{key}[{i}]: must be [kind, group size >= 1, seconds >= 0, "
+                             f"seconds per byte >= 0], got {row!r}")
+        rows.append((kind, group, float(a), float(b)))
+    return tuple(rows)
+
+
+def device_from_mapping(data: Any, where: str) -> Device:
+    """A :class:`Device` from a device file's mapping; ValueError naming ``where`` and the field."""
+    r = _Reader(data, where)
+    known = {"name", "source", "peak_flops_per_s", "memory_bytes", "memory_bytes_per_s", "nominal_memory_gb",
+             "num_sms", "tdp_w", "power_limit_w", "default_cluster_preset", "attention_kernels", "efficiency",
+             "host", "gemm_sweep"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: {unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
+    peaks = r.section("peak_flops_per_s", required=True)
+    bf16 = peaks.number("bf16", required=True)
+    sms = r.data.get("num_sms")
+    if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
+        raise r._fail("num_sms", "must be a whole number >= 1")
+    kernels = r.data.get("attention_kernels") or []
+    if not isinstance(kernels, list) or not all(isinstance(k, str) for k in kernels):
+        raise r._fail("attention_kernels", "must be a list of kernel family names")
+    e = r.section("efficiency")
+    rates_doc = e.data.get("attention_rates") or {}
+    if not isinstance(rates_doc, dict):
+        raise e._fail("attention_rates", "must map kernel families to [fraction at head dim 64, at 128]")
+    rates = []
+    for kernel, pair in rates_doc.items():
+        if (not isinstance(pair, list) or len(pair) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int | float) or not 0 < x <= 1 for x in pair)):
+            raise ValueError(f"{e.where}attention_rates.{kernel}: must be two fractions in (0, 1], got {pair!r}")
+        rates.append((str(kernel), float(pair[0]), float(pair[1])))
+    efficiency = Efficiency(
+        gemm=e.number("gemm", high=1.0) or 1.0, attention_forward=e.number("attention_forward", high=1.0) or 1.0,
+        attention_backward=e.number("attention_backward", high=1.0) or 1.0, hbm=e.number("hbm", high=1.0) or 1.0,
+        source=e.text("source") or "priors not stated: the peaks are taken as reached",
+        comm_overlap_slowdown=e.number("comm_overlap_slowdown", strict=False) or 0.0,
+        gemm_fp8=e.number("gemm_fp8", high=1.0), attention_fraction=e.number("attention_fraction", high=2.0) or 1.0,
+        calibrated=e.flag("calibrated", False), gemm_constant=e.text("gemm_constant"), attention_rates=tuple(rates))
+    h = r.section("host")
+    frameworks = h.data.get("frameworks") or {}
+    if not isinstance(frameworks, dict):
+        raise h._fail("frameworks", "must map framework names to {call_s, op_s}")
+    framework_host_s = []
+    for framework, costs in sorted(frameworks.items()):
+        fr = _Reader(costs, f"{h.where}frameworks.{framework}")
+        for kind in sorted(costs):
+            if kind not in ("call_s", "op_s"):
+                raise ValueError(f"{fr.where}.{kind}: unknown host cost (known: call_s, op_s)")
+            framework_host_s.append((str(framework), kind, fr.number(kind, required=True)))
+    sweep = []
+    for i, row in enumerate(r.table("gemm_sweep", 5)):
+        if any(isinstance(x, bool) or not isinstance(x, int | float) or not math.isfinite(x) or x <= 0 for x in row):
+            raise ValueError(f"{where}: gemm_sweep[{i}]: must be [m, k, n, FLOP/s, FLOP/s alone], all > 0, got {row!r}")
+        sweep.append(tuple(float(x) for x in row))
+    path = where if where.endswith((".yaml", ".yml")) else None
+    return Device(
+        name=r.text("name", required=True), source=r.text("source", required=True),  # type: ignore[arg-type]
+        peak_bf16_flops_per_s=bf16, peak_fp16_flops_per_s=peaks.number("fp16") or bf16,  # type: ignore[arg-type]
+        peak_fp8_flops_per_s=peaks.number("fp8"), peak_fp32_flops_per_s=peaks.number("fp32"),
+        memory_bytes=r.number("memory_bytes", required=True),  # type: ignore[arg-type]
+        memory_bytes_per_s=r.number("memory_bytes_per_s", required=True),  # type: ignore[arg-type]
+        default_cluster_preset=r.text("default_cluster_preset", required=True),  # type: ignore[arg-type]
+        nominal_memory_gb=r.number("nominal_memory_gb"), num_sms=sms, tdp_w=r.number("tdp_w"),
+        power_limit_w=r.number("power_limit_w"), attention_kernels=tuple(kernels), efficiency=efficiency,
+        path=path,
+        kernel_launch_s=h.number("kernel_launch_s"), collective_call_s=h.number("collective_call_s"),
+        synchronous_host=h.flag("synchronous", False),
+        communication_uses_compute_cores=h.flag("communication_uses_compute_cores", False),
+        collective_costs=_cost_table(h, "collective_costs"), framework_host_s=tuple(framework_host_s),  # type: ignore[arg-type]
+        collective_hop_delay_s=h.number("collective_hop_delay_s", strict=False),
+        node_cpu_cores=h.number("node_cpu_cores"), collective_cpu_costs=_cost_table(h, "collective_cpu_costs"),
+        gemm_sweep=tuple(sweep),  # type: ignore[arg-type]
     )
+
+
+def is_device_path(text: str) -> bool:
+    """``cluster.device`` names a file (a path ending in .yaml / .yml), not a built-in device."""
+    return text.endswith((".yaml", ".yml"))
+
+
+@functools.lru_cache(maxsize=256)
+def _read(path: str, mtime_ns: int) -> Device:
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: not a readable YAML device file ({exc})") from None
+    return device_from_mapping(data, path)
+
+
+def load_device(path: str | Path) -> Device:
+    """The device in the file at ``path``; ValueError naming the file and the bad field."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ValueError(f"{path}: no such device file")
+    resolved = str(p.resolve())
+    return _read(resolved, p.stat().st_mtime_ns)
+
+
+def device_dirs() -> list[Path]:
+    """Folders searched for a device named in a scenario, highest priority first: the user's
+    (``<user config>/devices``, where ``hzpsim calibrate machine`` writes) and the built-in one."""
+    from hzpsim.presets import user_config_dir
+
+    return [user_config_dir() / "devices", BUILTIN_DIR]
+
+
+def builtin_names() -> list[str]:
+    """Every device a scenario can name (the built-in files and the user's), sorted."""
+    return sorted({p.stem for d in device_dirs() if d.is_dir() for p in d.glob("*.yaml")})
+
+
+def device_file(name: str) -> Path:
+    """The file that ``cluster.device: name`` reads (a path as given, or the first folder of
+    :func:`device_dirs` holding ``<name>.yaml``); ValueError naming the known devices."""
+    if is_device_path(name):
+        return Path(name).expanduser()
+    for folder in device_dirs():
+        if (folder / f"{name}.yaml").is_file():
+            return folder / f"{name}.yaml"
+    raise ValueError(f"unknown device {name!r} (known: {', '.join(builtin_names())}; "
+                     "or the path of a device file, *.yaml)")
+
+
+def get_device(name: str) -> Device:
+    """``name`` as a scenario's ``cluster.device`` states it: the path of a device file, or a
+    device's name; ValueError naming the problem (an unknown name lists the known)."""
+    return load_device(device_file(name))
+
+
+def __getattr__(attribute: str) -> Any:
+    """``DEVICES``: every built-in device by name, read from the folder when first asked for."""
+    if attribute == "DEVICES":
+        return {name: get_device(name) for name in builtin_names()}
+    raise AttributeError(attribute)
+
+
+def write_device(device: Device, path: str | Path, header: str = "") -> Path:
+    """Write ``device`` as a device file (``header``: comment lines on top); returns the path."""
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    p.write_text(comment + yaml.safe_dump(device.to_file(), sort_keys=False, width=100, allow_unicode=True),
+                 encoding="utf-8")
+    return p
+
+
+#: The flat fields of a machine profile's ``device`` mapping as ``hzpsim calibrate machine``
+#: wrote it before devices were files (docs/executor-results/profile-world*.yaml): field ->
+#: Device field, or (framework, host cost) for a framework's measured Python.
+_MEASURED_FIELDS: dict[str, Any] = {
+    "peak_bf16_flops_per_s": "peak_bf16_flops_per_s", "peak_fp16_flops_per_s": "peak_fp16_flops_per_s",
+    "peak_fp32_flops_per_s": "peak_fp32_flops_per_s", "memory_bytes_per_s": "memory_bytes_per_s",
+    "memory_bytes": "memory_bytes", "kernel_launch_s": "kernel_launch_s", "collective_call_s": "collective_call_s",
+    "collective_hop_delay_s": "collective_hop_delay_s", "node_cpu_cores": "node_cpu_cores",
+    "fsdp2_call_host_s": ("fsdp2", "call_s"), "dtensor_op_host_s": ("dtensor", "op_s"),
+    "asynchzp_op_host_s": ("asynchzp", "op_s"),
 }
 
 
-def get_device(name: str, overrides: tuple[tuple[str, Any], ...] = ()) -> Device:
-    """Catalog lookup (pure: no files), with measured ``overrides`` (field, value) applied;
-    ValueError naming the known devices if ``name`` is unknown."""
-    try:
-        device = DEVICES[name]
-    except KeyError:
-        raise ValueError(f"unknown device {name!r} (known: {', '.join(sorted(DEVICES))})") from None
-    if not overrides:
+def with_measurements(device: Device, measured: dict[str, Any], where: str = "device") -> Device:
+    """``device`` with a machine profile's flat measured fields (``_MEASURED_FIELDS``, the
+    ``collective_costs`` / ``collective_cpu_costs`` tables) applied; ValueError naming a bad one."""
+    reader = _Reader(measured, where)
+    changes: dict[str, Any] = {}
+    frameworks = dict(((f, k), s) for f, k, s in device.framework_host_s)
+    for key, target in _MEASURED_FIELDS.items():
+        value = reader.number(key, strict=key != "collective_hop_delay_s")
+        if value is None:
+            continue
+        if isinstance(target, tuple):
+            frameworks[target] = value
+        else:
+            changes[target] = value
+    for key in ("collective_costs", "collective_cpu_costs"):
+        if measured.get(key):
+            changes[key] = _cost_table(reader, key)
+    changes["framework_host_s"] = tuple((f, k, s) for (f, k), s in sorted(frameworks.items()))
+    return replace(device, **changes)
+
+
+def effective_gemm_rate(sweep: tuple[tuple[float, float, float, float, float], ...],
+                        shapes: list[tuple[float, float, float]], alone: bool) -> float:
+    """The FLOP/s a model's GEMMs ``shapes`` (m, k, n) get on a device measured by a GEMM sweep:
+    total FLOPs over total seconds, each shape at the rate of the nearest measured shape (log
+    distance); ``alone``: the rates of one rank alone on a core (a device with a CPU pool),
+    else in wall time while every rank works."""
+    column = 4 if alone else 3
+    total_flops = total_s = 0.0
+    for m, k, n in shapes:
+        nearest = min(sweep, key=lambda r: sum(abs(math.log(a / b)) for a, b in zip((m, k, n), r[:3])))
+        flops = 2.0 * m * k * n
+        total_flops += flops
+        total_s += flops / nearest[column]
+    return total_flops / total_s
+
+
+def for_gemms(device: Device, shapes: list[tuple[float, float, float]]) -> Device:
+    """``device`` running the GEMMs ``shapes`` (m, k, n): with a measured GEMM sweep, its peaks
+    are the rate the sweep gives these shapes (small GEMMs on a CPU run far below a large one's
+    rate; alone on a core with a CPU pool); without one, unchanged."""
+    if not device.gemm_sweep or not shapes:
         return device
-    return replace(device, source=f"{device.source} Calibrated: {dict(overrides)}.", **dict(overrides))  # type: ignore[arg-type]
-
-
-CALIBRATED_FIELDS = ("peak_bf16_flops_per_s", "peak_fp16_flops_per_s", "peak_fp32_flops_per_s",
-                     "memory_bytes_per_s", "memory_bytes", "kernel_launch_s", "collective_call_s",
-                     "fsdp2_call_host_s", "dtensor_op_host_s", "collective_hop_delay_s",
-                     "asynchzp_op_host_s", "node_cpu_cores")
-COLLECTIVE_TABLES = ("collective_costs", "collective_cpu_costs")  # per kind and group size (collective_cost_table)
-
-
-def collective_cost_table(rows) -> tuple[tuple[str, int, float, float], ...]:
-    """``collective_costs`` (or ``collective_cpu_costs``) of a calibration profile ([[kind,
-    group size, seconds, seconds per byte], ...]) as the Device field; ValueError on a
-    malformed row."""
-    table = []
-    for row in rows or ():
-        kind, group, latency, per_byte = row
-        table.append((str(kind), int(group), float(latency), float(per_byte)))
-    return tuple(table)
-
-
-def calibration_overrides(name: str) -> tuple[tuple[str, Any], ...]:
-    """Measured rates of device ``name`` that ``hzpsim calibrate machine`` (without ``--out``)
-    wrote to ``<user config>/devices/<name>.yaml``, as (field, value) pairs; () if none. Read
-    once, at scenario load (``ClusterSpec.resolved``), never by a Topology."""
-    from pathlib import Path
-
-    import yaml
-
-    from hzpsim.presets import user_config_dir
-
-    path = Path(user_config_dir()) / "devices" / f"{name}.yaml"
-    if not path.is_file():
-        return ()
-    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    values: list[tuple[str, Any]] = [(k, float(v)) for k, v in sorted(data.items())
-                                     if k in CALIBRATED_FIELDS and isinstance(v, int | float) and v > 0]
-    for key in COLLECTIVE_TABLES:
-        if data.get(key):
-            values.append((key, collective_cost_table(data[key])))
-    return tuple(values)
+    rate = effective_gemm_rate(device.gemm_sweep, shapes, alone=device.node_cpu_cores is not None)
+    return replace(device, peak_fp32_flops_per_s=rate, peak_bf16_flops_per_s=rate, peak_fp16_flops_per_s=rate)

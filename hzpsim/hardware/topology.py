@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from .devices import Device, calibration_overrides, get_device
+from .devices import Device, get_device
 
 if TYPE_CHECKING:  # pragma: no cover
     import networkx as nx
@@ -296,7 +296,7 @@ class ClusterSpec:
             k: v if isinstance(v, (str, tuple)) else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
             for k, v in values.items()
         }
-        return ResolvedCluster(**typed, device_overrides=calibration_overrides(typed["device"]))
+        return ResolvedCluster(**typed, device_spec=get_device(typed["device"]))
 
 
 def _check_islands_divide(gpus_per_node: int | None, islands_per_node: int | None) -> None:
@@ -358,8 +358,8 @@ class ResolvedCluster:
     """Seed of the sampled draws under ``--expand``."""
     stragglers: tuple[Straggler, ...] = ()
     """Explicit slow devices, nodes and links (validated, in range)."""
-    device_overrides: tuple[tuple[str, float], ...] = ()
-    """Measured device rates (field, value) from ``hzpsim calibrate machine``, read at load."""
+    device_spec: Device | None = None
+    """The device ``device`` names, read from its file once, at load (None: read when built)."""
 
 
 def _is_number(v: object) -> bool:
@@ -439,7 +439,7 @@ class Topology:
                 "(use build_topology(spec) or spec.resolved())"
             )
         self.spec: ResolvedCluster = spec
-        self.device: Device = get_device(spec.device, spec.device_overrides)
+        self.device: Device = spec.device_spec if spec.device_spec is not None else get_device(spec.device)
         if spec.device_memory_bytes != self.device.memory_bytes:  # e.g. a 96 GB H100 variant
             self.device = replace(self.device, memory_bytes=spec.device_memory_bytes)
         if spec.device_power_limit_w and spec.device_power_limit_w != self.device.tdp_w:  # e.g. 500 W H100s

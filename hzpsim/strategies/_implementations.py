@@ -124,17 +124,18 @@ class Implementation:
     The other profiles are not marked: their calls on a CPU were not read or measured here."""
     framework_host: str = ""
     """Which measured framework host cost applies (``hzpsim calibrate machine`` measures them on
-    the device; an uncalibrated device has none, so nothing changes): ``"fsdp2"`` adds the
-    device's ``fsdp2_call_host_s`` to every collective call (FSDP2's Python around each unit's
+    the device and its device file keeps them under ``host.frameworks.<this key>``: ``call_s`` is
+    added to every collective call, ``op_s`` replaces ``kernel_launch_s``; an uncalibrated device
+    has none, so nothing changes): ``"fsdp2"`` adds the device's measured ``call_s`` to every collective call (FSDP2's Python around each unit's
     all-gather and reduce-scatter: ``_fsdp_state.py::FSDPState._pre_forward`` /
     ``_post_forward``, ``_fsdp_param_group.py::FSDPParamGroup.pre_backward`` /
     ``post_backward``, ``_fsdp_collectives.py::foreach_all_gather`` /
     ``foreach_all_gather_copy_out`` / ``foreach_reduce``); ``"dtensor"`` charges every
-    dispatched op the device's ``dtensor_op_host_s`` instead of ``kernel_launch_s``
+    dispatched op the device's measured ``op_s`` instead of ``kernel_launch_s``
     (``torch/distributed/tensor/_dispatch.py::OpDispatcher.dispatch``: sharding propagation
     and redistribution in Python before each local op, and ``parallel/style.py``'s module
     hooks; the executor's ND runs DTensor TP); ``"asynchzp"`` charges every op the device's
-    ``asynchzp_op_host_s`` (hzpsim's own AsyncHZP executor: ``executor/asynchzp.py``'s
+    measured ``op_s`` (hzpsim's own AsyncHZP executor: ``executor/asynchzp.py``'s
     saved-tensor hooks, buffer-ring copies and the Python of its ag / rs / dp threads, which
     share the GIL and the core with the training thread)."""
     framework_call_s: float = 0.0
@@ -214,12 +215,11 @@ class Implementation:
             return self
         kernel_launch_s = device.kernel_launch_s if device.kernel_launch_s is not None else self.kernel_launch_s
         framework_call_s = self.framework_call_s
-        if self.framework_host == "dtensor" and device.dtensor_op_host_s is not None:
-            kernel_launch_s = device.dtensor_op_host_s
-        if self.framework_host == "asynchzp" and device.asynchzp_op_host_s is not None:
-            kernel_launch_s = device.asynchzp_op_host_s
-        if self.framework_host == "fsdp2" and device.fsdp2_call_host_s is not None:
-            framework_call_s = device.fsdp2_call_host_s
+        if self.framework_host:  # the device file's host.frameworks.<framework_host>
+            op_s = device.framework_cost_s(self.framework_host, "op_s")
+            call_s = device.framework_cost_s(self.framework_host, "call_s")
+            kernel_launch_s = op_s if op_s is not None else kernel_launch_s
+            framework_call_s = call_s if call_s is not None else framework_call_s
         return replace(self, kernel_launch_s=kernel_launch_s, framework_call_s=framework_call_s,
                        collective_call_s=device.collective_call_s if device.collective_call_s is not None
                        else self.collective_call_s,

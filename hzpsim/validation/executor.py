@@ -33,10 +33,10 @@ from typing import Any
 
 from hzpsim import strategies
 from hzpsim.config import ScenarioError
-from hzpsim.hardware.devices import CALIBRATED_FIELDS, COLLECTIVE_TABLES, collective_cost_table
+from hzpsim.hardware.devices import for_gemms, with_measurements
 from hzpsim.model.ops import COLLECTIVE, COLLECTIVE_KINDS
-from hzpsim.presets import read_yaml
 from hzpsim.scenario import Scenario, StrategyChoice, scenario_from_mapping
+from hzpsim.scenario import gemm_shapes as model_gemm_shapes
 
 #: The validation scenario (also ``examples/executor-world4.yaml``): a small Llama-style model in
 #: fp32 on the local CPU box; strategies for world size 4 (the CLI adapts the sizes to --world).
@@ -64,72 +64,38 @@ _PROFILE_CLUSTER_KEYS = ("intra_node_bytes_per_s", "inter_node_bytes_per_s_per_d
 
 
 def load_profile(path: str | None) -> dict[str, Any]:
-    """A ``hzpsim calibrate machine`` profile ({device: {...}, cluster: {...}}), or {}."""
+    """A ``hzpsim calibrate machine`` profile ({device, cluster, measurements}), or {}: the one
+    profile format (``hzpsim.calibration.profile``), whose ``device`` is the path of the device
+    file the calibration wrote (relative to the profile) or, in profiles written before devices
+    were files, a mapping of measured device fields."""
     if path is None:
         return {}
-    file = Path(path)
-    if not file.is_file():
-        raise ScenarioError(f"--profile {path}: no such file")
+    from hzpsim.calibration.profile import load
+
     try:
-        data = read_yaml(file)
-    except ScenarioError as exc:
+        return load(path).machine()
+    except ValueError as exc:
         raise ScenarioError(f"--profile {exc}") from None
-    if not isinstance(data, dict) or not isinstance(data.get("device"), dict) or not isinstance(data.get("cluster"), dict):
-        raise ScenarioError(f"--profile {path}: expected a mapping with 'device' and 'cluster' (hzpsim calibrate machine)")
-    return data
-
-
-def fit_fabric_to_simulator(collectives: list[dict[str, Any]], world: int) -> dict[str, float]:
-    """Per-step latency and bandwidth of the ``local-cpu`` island that make hzpsim's OWN
-    collective model (hardware/collectives.py: NCCL's algorithms and protocols, the protocol chosen per
-    size) reproduce the measured all-gather, reduce-scatter and all-reduce times best (least
-    squares on log time: every size counts alike). A fit of the textbook ring formula would be
-    wrong here, because the simulator runs latency-bound calls with NCCL's LL protocol, which
-    pays only a fraction of the step latency (gloo has no such protocol)."""
-    import numpy as np
-
-    from hzpsim.hardware.collectives import CollectiveModel
-    from hzpsim.hardware.topology import ClusterSpec, build_topology
-
-    rows = [r for r in collectives if r["kind"] in ("all_gather", "reduce_scatter", "all_reduce") and r["time_s"] > 0]
-    if not rows:
-        raise ScenarioError("calibrate: no collective measurements to fit")
-
-    def error(latency: float, bandwidth: float) -> float:
-        spec = ClusterSpec(preset="local-cpu", gpus_per_node=world, intra_node_bytes_per_s=bandwidth,
-                           inter_node_bytes_per_s_per_device=bandwidth, intra_node_latency_s=latency,
-                           inter_node_latency_s=latency, intra_node_efficiency=1.0, inter_node_efficiency=1.0)
-        topology = build_topology(spec)
-        model = CollectiveModel(topology)
-        total = 0.0
-        for r in rows:
-            span = topology.span(list(range(r["group_size"])))
-            predicted = model.plan(r["kind"], r["size_bytes"], span).isolated_time_s
-            total += (math.log(predicted) - math.log(r["time_s"])) ** 2
-        return total
-
-    latencies = np.logspace(-6, -1.5, 28)
-    bandwidths = np.logspace(7, 11, 28)
-    best = min((error(a, b), a, b) for a in latencies for b in bandwidths)
-    _, a, b = best
-    for _ in range(2):  # refine around the best grid point
-        latencies = a * np.logspace(-0.2, 0.2, 9)
-        bandwidths = b * np.logspace(-0.2, 0.2, 9)
-        _, a, b = min((error(x, y), x, y) for x in latencies for y in bandwidths)
-    return {"intra_node_latency_s": float(a), "inter_node_latency_s": float(a),
-            "intra_node_bytes_per_s": float(b), "inter_node_bytes_per_s_per_device": float(b)}
 
 
 def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any], comm_delay_s: float = 0.0,
                        filters: Sequence[str] = ()) -> Scenario:
     """The simulator's scenario: ``raw`` on one local-cpu node of ``world`` devices, with the
-    profile's fabric numbers (latency + the executor's artificial per-call delay) and device."""
+    profile's fabric numbers and device (latency + the executor's artificial per-call delay).
+
+    A profile that names a device file puts its path in ``cluster.device``: the scenario then
+    reads the measured device (its GEMM sweep gives the model's GEMM rate at load), and
+    ``hzpsim run`` on the scenario alone predicts what this command predicts. A profile with
+    the old inline device fields is applied to ``cpu-local`` here instead."""
     data = copy.deepcopy(raw)
     cluster = dict(data.get("cluster") or {})
     cluster.update({"preset": cluster.get("preset", "local-cpu"), "gpus_per_node": world, "num_nodes": 1})
     for key in _PROFILE_CLUSTER_KEYS:
         if key in profile.get("cluster", {}):
             cluster[key] = float(profile["cluster"][key])
+    device = profile.get("device")
+    if isinstance(device, str):
+        cluster["device"] = device
     data["cluster"] = cluster
     entries = data.get("strategies") or [data.get("strategy")]
     data.pop("strategy", None)
@@ -138,49 +104,39 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
     if not data["strategies"]:
         raise ScenarioError(f"--strategies {','.join(filters)}: no strategy of the scenario matches")
     scenario = scenario_from_mapping(data, source=str(raw.get("name", "<executor>")))
-    device = profile.get("device", {})
-    changes: dict[str, Any] = {k: float(device[k]) for k in CALIBRATED_FIELDS if k in device}
-    for key in COLLECTIVE_TABLES:
-        if device.get(key):
-            changes[key] = collective_cost_table(device[key])
-    gemm = profile.get("measurements", {}).get("gemm")
-    if gemm:
-        # the GEMMs this model runs are small: their rate, read off the measured sweep (alone on
-        # a core for a device with a CPU pool, else in wall time while every rank works)
-        from hzpsim.executor.calibrate import effective_gemm_rate
-
-        basis = "cpu_flops_per_s" if "node_cpu_cores" in changes and "cpu_flops_per_s" in gemm[0] else "flops_per_s"
-        rate = effective_gemm_rate(gemm, gemm_shapes(scenario), basis)
-        changes.update(peak_fp32_flops_per_s=rate, peak_bf16_flops_per_s=rate, peak_fp16_flops_per_s=rate)
     topology = scenario.topology
-    if comm_delay_s and "node_cpu_cores" in changes:
+    if isinstance(device, dict) and device:
+        try:
+            measured = with_measurements(topology.device, device)
+        except ValueError as exc:
+            raise ScenarioError(f"--profile {exc}") from None
+        gemm = profile.get("measurements", {}).get("gemm")
+        if gemm:
+            measured = dataclasses.replace(measured, gemm_sweep=gemm_sweep(gemm))
+        topology.device = for_gemms(measured, gemm_shapes(scenario))
+    if comm_delay_s and topology.device.node_cpu_cores:
         # with a CPU pool a host op is CPU work, and a sleep is not: the delay joins each call's
         # wait instead (paid by the call, not by the thread that issues it)
-        table = changes.get("collective_costs", topology.device.collective_costs)
-        changes["collective_costs"] = tuple((k, g, latency + comm_delay_s, b) for k, g, latency, b in table)
+        table = topology.device.collective_costs
+        topology.device = dataclasses.replace(topology.device, collective_costs=tuple(
+            (k, g, latency + comm_delay_s, b) for k, g, latency, b in table))
     elif comm_delay_s:
         # the executor sleeps in the thread that issues each collective: a per-call host cost
-        call_s = changes.get("collective_call_s", topology.device.collective_call_s) or 0.0
-        changes["collective_call_s"] = call_s + comm_delay_s
-    if changes:
-        topology.device = dataclasses.replace(topology.device, **changes)
+        call_s = topology.device.collective_call_s or 0.0
+        topology.device = dataclasses.replace(topology.device, collective_call_s=call_s + comm_delay_s)
     return scenario
 
 
+def gemm_sweep(rows: list[dict[str, Any]]) -> tuple[tuple[float, float, float, float, float], ...]:
+    """A machine profile's measured GEMM sweep ({m, k, n, flops_per_s, cpu_flops_per_s}) as the
+    device field (the rate alone on a core is the wall rate where it was not measured)."""
+    return tuple((float(r["m"]), float(r["k"]), float(r["n"]), float(r["flops_per_s"]),
+                  float(r.get("cpu_flops_per_s", r["flops_per_s"]))) for r in rows)
+
+
 def gemm_shapes(scenario: Scenario) -> list[tuple[float, float, float]]:
-    """(m, k, n) of every GEMM of one micro-batch's forward and backward on one rank without
-    tensor parallelism: per weight (k_in x n_out) the forward (tokens, k, n), the input
-    gradient (tokens, n, k) and the weight gradient (k, tokens, n)."""
-    model, tokens = scenario.model, scenario.training.micro_batch_size * scenario.model.seq_len
-    h, d = model.hidden_size, model.head_dim_resolved
-    weights = [(h, model.num_heads * d), (h, model.kv_heads * d), (h, model.kv_heads * d), (model.num_heads * d, h)]
-    ffn = model.ffn_hidden_size
-    weights += [(h, ffn)] * (2 if model.mlp == "swiglu" else 1) + [(ffn, h)]
-    shapes = [s for _ in range(model.num_layers) for k, n in weights
-              for s in ((tokens, k, n), (tokens, n, k), (k, tokens, n))]
-    k, n = h, model.vocab_size
-    shapes += [(tokens, k, n), (tokens, n, k), (k, tokens, n)]
-    return [(float(m), float(k), float(n)) for m, k, n in shapes]
+    """(m, k, n) of every GEMM of one micro-batch of ``scenario``'s model (``scenario.gemm_shapes``)."""
+    return model_gemm_shapes(scenario.model, scenario.training.micro_batch_size)
 
 
 #: The implementation profile of what the executor runs for each strategy
@@ -307,38 +263,29 @@ def at_load(device, factor: float):
     pool of 1/``factor`` the cores (every cost stays a CPU cost alone on a core); without one,
     every CPU cost takes ``factor`` times as long: on a CPU all of it is CPU work (kernels, host
     dispatch, the frameworks' Python, and gloo's copies, TCP loopback and wake-ups)."""
-    if device.node_cpu_cores:
-        return dataclasses.replace(device, node_cpu_cores=device.node_cpu_cores / factor)
+    return device.scaled_costs(factor)
 
-    def times(value):
-        return value * factor if value is not None else None
 
-    def rate(value):
-        return value / factor if value is not None else None
-
-    return dataclasses.replace(
-        device, peak_fp32_flops_per_s=rate(device.peak_fp32_flops_per_s),
-        peak_bf16_flops_per_s=rate(device.peak_bf16_flops_per_s), peak_fp16_flops_per_s=rate(device.peak_fp16_flops_per_s),
-        memory_bytes_per_s=rate(device.memory_bytes_per_s), kernel_launch_s=times(device.kernel_launch_s),
-        collective_call_s=times(device.collective_call_s), fsdp2_call_host_s=times(device.fsdp2_call_host_s),
-        dtensor_op_host_s=times(device.dtensor_op_host_s), asynchzp_op_host_s=times(device.asynchzp_op_host_s),
-        collective_hop_delay_s=times(device.collective_hop_delay_s),
-        collective_costs=tuple((k, g, lat * factor, per_byte * factor) for k, g, lat, per_byte in device.collective_costs))
+def scenario_mapping(scenario: Scenario, resolved: dict[str, Any]) -> dict[str, Any]:
+    """``scenario`` with the one strategy ``resolved`` as a scenario mapping ``hzpsim run``
+    accepts: the resolved model, training and fabric, the device by name or by the path of its
+    device file (re-read at load, as this command read it)."""
+    mapping = {
+        "model": dataclasses.asdict(scenario.model),
+        "training": dataclasses.asdict(scenario.training),
+        # the resolved fabric, as scenario keys; a device without a TDP resolves its power
+        # limit to 0.0, which a scenario cannot state
+        "cluster": {k: v for k, v in dataclasses.asdict(scenario.cluster).items()
+                    if v is not None and k != "device_spec" and not (k == "device_power_limit_w" and not v)},
+        "strategy": resolved,
+    }
+    mapping["model"]["moe"] = mapping["model"]["moe"] if scenario.model.moe else None
+    return _plain(mapping)
 
 
 def _row(scenario: Scenario, choice: StrategyChoice, spec, measured, predicted: dict[str, Any],
          report: dict[str, Any], loss_diff: float) -> dict[str, Any]:
-    resolved = report["strategy_resolved"]
-    mapping = {
-        "model": dataclasses.asdict(scenario.model),
-        "training": dataclasses.asdict(scenario.training),
-        # the resolved fabric, as scenario keys (the calibrated device is re-read at load); a
-        # device without a TDP resolves its power limit to 0.0, which a scenario cannot state
-        "cluster": {k: v for k, v in dataclasses.asdict(scenario.cluster).items()
-                    if v is not None and k != "device_overrides" and not (k == "device_power_limit_w" and not v)},
-        "strategy": resolved,
-    }
-    mapping["model"]["moe"] = mapping["model"]["moe"] if scenario.model.moe else None
+    mapping = scenario_mapping(scenario, report["strategy_resolved"])
     row = {
         "strategy": spec.strategy,
         "label": spec.label,
@@ -355,10 +302,9 @@ def _row(scenario: Scenario, choice: StrategyChoice, spec, measured, predicted: 
         "predicted_peak_memory_bytes": report["peak_memory_bytes"],
         "loss_max_abs_diff_vs_reference": loss_diff,
         "scenario": _plain(mapping),
-        # device rates of the profile (a scenario mapping cannot carry them; `hzpsim calibrate
-        # machine` without --out installs them for `hzpsim run`)
+        # the device simulated: its file (the scenario's cluster.device) and the rates it ran at
         "device": _plain({k: getattr(scenario.topology.device, k) for k in (
-            "name", "peak_fp32_flops_per_s", "memory_bytes_per_s")}),
+            "name", "path", "peak_fp32_flops_per_s", "memory_bytes_per_s")}),
         "measured_model_state_breakdown_bytes": measured.model_state_breakdown_bytes,
         "measured_other_collective_counts": measured.other_collective_counts,
         "counting_complete": measured.counting_complete,

@@ -17,7 +17,6 @@ from typing import Any
 
 from hzpsim import strategies
 from hzpsim.config import ScenarioError, from_mapping
-from hzpsim.hardware.compute import DEVICE_GROUP
 from hzpsim.hardware.devices import get_device
 from hzpsim.hardware.topology import preset_spec
 from hzpsim.model import Model
@@ -467,7 +466,7 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
             # code: hand-fused pointwise kernels (bias-dropout-add, bias-GeLU/SwiGLU, TE's fused norms)
             training["fused_kernels"] = True
         if (any(k in system for k in ("megatron-core", "megatron core", "nemo", "megatron-bridge"))
-                and training.get("flash_attention", True) and DEVICE_GROUP.get(device) == "h100"):
+                and training.get("flash_attention", True) and get_device(device).efficiency.gemm_constant == "h100"):
             # Transformer Engine's DotProductAttention picks cuDNN's fused attention over
             # FlashAttention on Hopper "for performance reasons" (TE >= 1.7, attention.py;
             # now dot_product_attention/utils.py::get_attention_backend)

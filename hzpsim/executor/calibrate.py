@@ -18,19 +18,11 @@ window of wall time on every rank at once (:func:`_window`), so no rank runs alo
   group sizes (2 and --world), back to back and inside a step-like loop (a burst of compute
   before each call), plus the host cost of issuing one call.
 
-The profile (YAML) holds ``device`` (the simulator's ``cpu-local`` device fields: the median
-GEMM rate of the sweep, the median memory-bound rate, the host costs, ``collective_costs``:
-latency and seconds per byte per kind and group size fitted to each call's wall time inside the
-step-like loop with the CPU pool (the default: ``node_cpu_cores``, ``collective_cpu_costs``), or
-to the back-to-back sweep plus ``collective_hop_delay_s`` (what each message of a collective
-waits for a core inside a step) with ``--no-cpu-pool``),
-``cluster`` (the fabric fields of the ``local-cpu`` preset: per-step latency and bandwidth; the
-CLI fits them to the simulator's own collective model,
-``hzpsim.validation.executor.fit_fabric_to_simulator``; :func:`fit_fabric` is the textbook ring
-fit, kept under ``measurements.ring_formula_fit``) and the raw ``measurements``. Without
-``--out`` it is written to the user config folder (``$HZPSIM_CONFIG_DIR`` or
-``~/.config/hzpsim``) as ``topologies/local-cpu.yaml`` + ``devices/cpu-local.yaml``, which
-``local-cpu`` then uses. Run::
+This module measures (``measure_machine``: every rank's raw numbers); the fits that turn them
+into a device file (the ``cpu-local`` device with the measured GEMM sweep, memory-bound rate,
+host costs keyed by framework, collective tables, CPU pool) and the ``local-cpu`` fabric live
+above the simulator, in ``hzpsim.fitting.machine``, which also writes the device file and the
+profile naming it (docs/executor.md). Run::
 
     hzpsim calibrate machine --world 4 --out profile-world4.yaml
 """

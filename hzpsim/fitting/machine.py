@@ -31,7 +31,7 @@ from hzpsim.calibration.profile import machine_document
 from hzpsim.config import ScenarioError
 from hzpsim.executor.calibrate import KINDS
 from hzpsim.hardware.collectives import gloo_hops
-from hzpsim.hardware.devices import Device, get_device, with_measurements, write_device
+from hzpsim.hardware.devices import BUILTIN_DIR, Device, load_device, with_measurements, write_device
 
 NCCL_SIMPLE_BASE_S = 8.4e-6  # the simulator adds NCCL's ring/Simple base latency to every collective
 
@@ -304,7 +304,7 @@ def machine_device(profile: dict[str, Any], name: str = "cpu-local") -> Device:
     """The device of a :func:`build_profile` result: the built-in ``cpu-local`` (one worker
     process of a CPU box) with the measured rates, host costs, collective tables and GEMM
     sweep, named ``name``."""
-    base = get_device("cpu-local")
+    base = load_device(BUILTIN_DIR / "cpu-local.yaml")  # never a previous calibration's file
     device = with_measurements(base, {k: v for k, v in profile["device"].items() if k != "name"})
     sweep = gemm_sweep(profile["measurements"].get("gemm") or [])
     return dataclasses.replace(device, name=name, gemm_sweep=sweep, path=None,

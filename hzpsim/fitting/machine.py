@@ -31,7 +31,13 @@ from hzpsim.calibration.profile import machine_document
 from hzpsim.config import ScenarioError
 from hzpsim.executor.calibrate import KINDS
 from hzpsim.hardware.collectives import gloo_hops
-from hzpsim.hardware.devices import BUILTIN_DIR, Device, load_device, with_measurements, write_device
+from hzpsim.hardware.devices import (
+    BUILTIN_DIR,
+    Device,
+    load_device,
+    with_measurements,
+    write_device,
+)
 
 NCCL_SIMPLE_BASE_S = 8.4e-6  # the simulator adds NCCL's ring/Simple base latency to every collective
 

@@ -13,14 +13,13 @@ import pandas as pd
 import pytest
 
 from hzpsim import strategies
+from hzpsim.cli.validate import check_options, main_published
 from hzpsim.scenario import scenario_from_mapping
 from hzpsim.validation import (
     DEFAULT_CSV,
     REQUIRED_COLUMNS,
     case_from_row,
-    check_options,
     format_validation,
-    main_published,
     map_precision,
     map_recompute,
     parse_inter_node,
@@ -373,7 +372,7 @@ def tripwire(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("validated despite a nonsense option")
 
-    monkeypatch.setattr("hzpsim.validation.command.validate_published", fail)
+    monkeypatch.setattr("hzpsim.cli.validate.validate_published", fail)
 
 
 def _cli_error(argv, capsys):
@@ -387,7 +386,7 @@ def _cli_error(argv, capsys):
 @pytest.mark.parametrize(("argv", "option", "problem"), BAD_OPTIONS, ids=[" ".join(a[0]) for a in BAD_OPTIONS])
 def test_nonsense_option_exits_2(argv, option, problem, tripwire, cases, monkeypatch, capsys):
     # the packaged CSV's cases, mapped once per module instead of once per case (~1 s each)
-    monkeypatch.setattr("hzpsim.validation.command.rows_to_scenarios", lambda path: cases)
+    monkeypatch.setattr("hzpsim.cli.validate.rows_to_scenarios", lambda path: cases)
     code, out, err = _cli_error(argv, capsys)
     assert code == 2 and out == ""
     assert err.startswith(f"hzpsim: error: {option}: ") and err.count("\n") == 1, err

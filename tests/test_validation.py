@@ -78,10 +78,7 @@ def test_sc21_table1_first_row_exact_mapping(cases):
     assert m["tokens_per_s_per_gpu"] == pytest.approx(512 * 2048 / step / 32, rel=1e-12)
     assert set(m["derived"]) == {"step_time_s", "tokens_per_s_per_gpu"}
     assert m["basis"] == "throughput"
-    if "nd" not in strategies.available():
-        assert c.skip_reason == "strategy nd not implemented yet"
-    else:
-        assert c.skip_reason is None
+    assert c.skip_reason is None
 
 
 def test_sc21_formula_helper():
@@ -96,11 +93,8 @@ def test_every_row_maps_or_names_its_reason(cases, header):
             column = c.skip_reason.split(":", 1)[0]
             assert column in header or column == "measured_*" or column == "model", c.skip_reason
         else:
-            name = c.scenario_mapping["strategy"]["name"]
-            if name in available:
-                assert c.skip_reason is None, c.label
-            else:
-                assert c.skip_reason == f"strategy {name} not implemented yet"
+            assert c.scenario_mapping["strategy"]["name"] in available, c.label
+            assert c.skip_reason is None, c.label
 
 
 def test_runnable_rows_today_and_known_skips(cases):
@@ -163,8 +157,7 @@ def _row(**kw):
 def test_fabricated_rows_hsdp_zeropp_and_missing_columns():
     hsdp = case_from_row(_row(sharding_group="8"), 0)
     assert hsdp.scenario_mapping["strategy"] == {"name": "hsdp", "shard_group_size": 8, "implementation": "fsdp2"}
-    if "hsdp" not in strategies.available():
-        assert hsdp.skip_reason == "strategy hsdp not implemented yet"
+    assert hsdp.skip_reason is None
     fsdp_tp = case_from_row(_row(tp=2.0, dp=8.0, model_name="OPT-tiny"), 1)
     assert fsdp_tp.scenario_mapping["strategy"]["name"] == "nd"
     assert fsdp_tp.scenario_mapping["strategy"]["zero_stage"] == 3

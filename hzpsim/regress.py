@@ -1,4 +1,5 @@
-"""``hzpsim regress GOLDENS``: predictions against expected values, for your own CI.
+"""``hzpsim regress GOLDENS``: predictions against expected values, for your own CI (the
+command's options and exit code are :mod:`hzpsim.cli.regress`).
 
     hzpsim regress tests/goldens.yaml              # diff table; exit 1 if a prediction moved
     hzpsim regress my-goldens.yaml --update        # fill / rewrite every entry's expected values
@@ -22,7 +23,6 @@ moved (or an entry has no expected values yet); 2 invalid goldens file.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass, field
@@ -266,25 +266,3 @@ def write_goldens(path: Path, goldens: list[Golden]) -> None:
         entries.append(entry)
     body = yaml.safe_dump(entries, sort_keys=False, default_flow_style=False, width=110)
     path.write_text("\n".join(header) + ("\n" if header else "") + body, encoding="utf-8")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("goldens", help="goldens YAML: a list of {name, scenario, expected, tolerance}")
-    parser.add_argument("--update", action="store_true", help="fill or rewrite every entry's expected values")
-    parser.add_argument("--only", action="append", metavar="NAME", help="check only these entries (repeatable)")
-    parser.add_argument("--verbose", action="store_true", help="one line per key, not per entry")
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    path = Path(args.goldens)
-    goldens = load_goldens(path)
-    checks, empty, updated = check(goldens, path.parent, update=args.update, only=args.only)
-    if args.update:
-        write_goldens(path, updated)
-        count = len(args.only) if args.only else len(updated)
-        print(f"updated the expected values of {count} entries in {path}")
-        return 0
-    print(format_diff(checks, empty, verbose=getattr(args, "verbose", False)))
-    return 1 if empty or any(not c.ok for c in checks) else 0
-
-

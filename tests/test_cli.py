@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
 import json
 import math
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -356,3 +359,52 @@ def test_version(capsys):
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.startswith("hzpsim ")
+
+
+# --------------------------------------------------------------------------- one module per command
+
+
+def _runnable_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command words, parser) of every parser that runs: those without subcommands of their own."""
+    groups = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not groups:
+        yield path, parser
+        return
+    for name, child in groups[0].choices.items():
+        yield from _runnable_parsers(child, (*path, name))
+
+
+def test_every_command_is_one_module_registered_one_way():
+    """hzpsim/cli/: a module per command, each with ``register(subparsers)``, all of them in
+    ``COMMANDS`` (``options`` is shared arguments, not a command), and every parser that runs
+    carries its ``handler``: no command is dispatched any other way."""
+    import hzpsim.cli as cli
+
+    modules = {m.name for m in pkgutil.iter_modules(cli.__path__)} - {"__main__", "options"}
+    assert modules == {c.__name__.rsplit(".", 1)[1] for c in cli.COMMANDS}
+    assert all(callable(c.register) for c in cli.COMMANDS)
+    found = dict(_runnable_parsers(cli.make_parser()))
+    assert {" ".join(words) for words in found} == {
+        "run", "compare", "search", "regress", "validate published", "validate executor", "execute",
+        "calibrate machine", "calibrate published", "calibrate measured", "list"}
+    for words, parser in found.items():
+        assert callable(parser.get_default("handler")), words
+
+
+def test_only_the_cli_parses_command_lines():
+    """argparse lives in hzpsim/cli/ (and in the executor's own process entry points, which
+    torchrun and the calibration start): the packages below hold no command handling."""
+    package = Path(__file__).resolve().parents[1] / "hzpsim"
+    allowed = {"executor/worker.py", "executor/calibrate.py"}
+    offenders = []
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(package).as_posix()
+        if rel.startswith("cli/") or rel in allowed:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if "argparse" in names:
+                offenders.append(f"hzpsim/{rel}:{node.lineno}")
+    assert not offenders, offenders

@@ -406,7 +406,7 @@ def test_calibrate_machine_writes_a_profile_the_simulator_reads(tmp_path, monkey
     assert written.gemm_sweep and scenario.topology.device.peak_fp32_flops_per_s != written.peak_fp32_flops_per_s
     assert load_device(BUILTIN_DIR / "cpu-local.yaml").gemm_sweep == ()  # the built-in file is untouched
     assert scenario.topology.link("island").latency_s == pytest.approx(preset["intra_node_latency_s"])
-    # the step-time mechanisms it measured (tests/test_executor_steptime.py): FSDP2's and DTensor's
+    # the step-time mechanisms it measured (tests/test_calibrated_cpu_device.py): FSDP2's and DTensor's
     # host cost, gloo's cost per kind and group size, the in-step wait per message
     assert written.framework_cost_s("fsdp2", "call_s") > 0 and written.framework_cost_s("dtensor", "op_s") > 0
     assert {row[0] for row in written.collective_costs} == {"all_gather", "reduce_scatter", "all_reduce",

@@ -1,11 +1,9 @@
-"""The executor's subcommands, registered into ``hzpsim`` by :func:`register`.
+"""``hzpsim execute``: run a scenario's strategies for real with torch.distributed (:mod:`hzpsim.executor`).
 
     hzpsim execute SCENARIO --world 4 [--json] [--write-spec FILE]
-    hzpsim calibrate machine [--world N] [--out FILE] [--no-cpu-pool]
-    hzpsim validate executor [--profile FILE] [--strategies zero3,hsdp,nd,asynchzp] [--world N] [--json]
 
-Without torch each of them exits 2 with one line saying how to install it. Nothing here imports
-torch at import time (``hzpsim --help`` stays fast and works without torch).
+Without torch it exits 2 with one line saying how to install it. Nothing here imports torch at
+import time (``hzpsim --help`` stays fast and works without torch).
 """
 
 from __future__ import annotations
@@ -13,20 +11,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from typing import Any
 
-from hzpsim.config import ScenarioError
+from hzpsim.cli.options import check_run_options
 
 
-def register(sub: argparse._SubParsersAction,
-             validate_targets: argparse._SubParsersAction | None = None) -> dict[str, argparse._SubParsersAction]:
-    """Add ``execute`` and ``calibrate`` (a subcommand group with ``machine``) to ``sub``, and
-    ``executor`` to the ``validate`` group when given. Returns the ``calibrate`` group
-    (``{"calibrate": ...}``) so that other targets (e.g. ``calibrate published``) can join it;
-    a target without a ``handler`` default is left to the caller's dispatch."""
-    from hzpsim.validation import executor as validate_executor
-
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add ``execute``."""
     p = sub.add_parser("execute", help="run a scenario's strategies for real with torch.distributed (executor)")
     p.add_argument("scenario", help="scenario YAML (fp32, no dropout, no recompute)")
     p.add_argument("--world", type=int, default=2, help="processes (default 2)")
@@ -38,32 +29,12 @@ def register(sub: argparse._SubParsersAction,
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.set_defaults(handler=_cmd_execute)
 
-    p = sub.add_parser("calibrate", help="measure this machine into a device + fabric profile")
-    what = p.add_subparsers(dest="calibrate_target", required=True)
-    machine = what.add_parser("machine", help="micro-benchmarks of compute and of the backend's collectives")
-    machine.add_argument("--world", type=int, default=2, help="processes benchmarked together (default 2)")
-    machine.add_argument("--out", help="profile YAML to write (default: the user config folder, used by local-cpu)")
-    machine.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (tests)")
-    machine.add_argument("--cpu-pool", action=argparse.BooleanOptionalAction, default=True,
-                         help="write the profile for the simulator's CPU pool (default: costs alone on a core, the "
-                              "cores the ranks share, each call's in-step wall time); --no-cpu-pool: every cost as "
-                              "the wall time it took at the calibration's load (docs/executor.md)")
-    machine.set_defaults(handler=_cmd_calibrate)
-
-    if validate_targets is not None:
-        executor = validate_targets.add_parser("executor", help="executor vs simulator on the same scenario")
-        validate_executor.add_arguments(executor)
-        executor.set_defaults(handler=validate_executor.run_from_args)
-    return {"calibrate": what}
-
 
 def _cmd_execute(args: argparse.Namespace) -> int:
     from hzpsim.executor import require_torch
     from hzpsim.scenario import load_scenario
 
     require_torch()
-    from hzpsim.validation.executor import check_run_options
-
     check_run_options(args)
     scenario = load_scenario(args.scenario, args.set or ())
     from hzpsim.executor.spec import run_specs
@@ -92,19 +63,4 @@ def _cmd_execute(args: argparse.Namespace) -> int:
                   + (f", loss diff vs reference {data['loss_max_abs_diff_vs_reference']:.1e}" if "loss_max_abs_diff_vs_reference" in data else ""))
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
-    return 0
-
-
-def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from hzpsim.executor import require_torch
-
-    require_torch()
-    if not 1 <= args.world <= 16:
-        raise ScenarioError(f"--world: {args.world} is not between 1 and 16")
-    from hzpsim.executor.calibrate import measure_machine
-    from hzpsim.fitting.machine import calibrate
-
-    per_rank = measure_machine(args.world, quick=args.quick, progress=sys.stderr)
-    path = calibrate(per_rank, args.world, args.out, cpu_pool=args.cpu_pool)
-    print(f"wrote {path}")
     return 0

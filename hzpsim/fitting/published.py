@@ -37,13 +37,10 @@ here are informational.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import functools
 import math
-import os
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -284,102 +281,7 @@ def calibrate(measurements: Sequence[Measurement], start: Profile, iterations: i
     return Profile(full, folds, "fit", report), terms
 
 
-# -- the commands -----------------------------------------------------------------------------
-
-def add_targets(calibrate: argparse._SubParsersAction) -> None:
-    """Add ``published`` and ``measured`` to the ``calibrate`` command group."""
-    published = calibrate.add_parser("published", help="fit the calibration constants to the published runs")
-    published.add_argument("--csv", dest="csv_path", help="CSV to fit (default: the packaged published_calibration.csv)")
-    _common(published)
-    published.set_defaults(handler=_cmd_published)
-    measured = calibrate.add_parser("measured", help="fit the calibration constants to your own measured runs")
-    measured.add_argument("file", help="YAML or CSV list of {scenario, tokens_per_s_per_device, source}")
-    _common(measured)
-    measured.set_defaults(handler=_cmd_measured)
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", help="profile JSON to write (default: print it)")
-    p.add_argument("--iterations", default="2", metavar="N", help="re-anchoring simulations (default 2)")
-    p.add_argument("--jobs", default=None, metavar="N", help="worker processes (default: one per core)")
-    p.add_argument("--json", action="store_true", help="print the profile JSON (also the default without --out)")
-
-
-def _whole(option: str, text: str | None, default: int, low: int, high: int) -> int:
-    if text is None:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        raise ScenarioError(f"{option}: {text!r} is not a whole number") from None
-    if not low <= value <= high:
-        raise ScenarioError(f"{option}: {value} is not between {low} and {high}")
-    return value
-
-
-def _progress() -> Any:
-    if not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm  # dev extra; a bar only on a terminal
-
-    bars: dict[str, Any] = {}
-
-    def update(what: str, done: int, total: int) -> None:
-        bar = bars.get(what)
-        if bar is None:
-            bar = bars[what] = tqdm(total=total, desc=what, file=sys.stderr, leave=False)
-        bar.update(done - bar.n)
-        if done == total:
-            bar.close()
-
-    return update
-
-
-def _run(measurements: list[Measurement], args: argparse.Namespace) -> int:
-    if not measurements:
-        raise ScenarioError("no runnable measurement to fit")
-    if args.out is not None and Path(args.out).is_dir():
-        raise ScenarioError(f"--out: {args.out!r} is a directory")
-    if args.out is not None and not Path(args.out).resolve().parent.is_dir():
-        raise ScenarioError(f"--out: folder of {args.out!r} does not exist")
-    iterations = _whole("--iterations", args.iterations, 2, 1, 10)
-    jobs = _whole("--jobs", args.jobs, os.cpu_count() or 1, 1, 256)
-    profile, terms = calibrate(measurements, calibration.PRIORS, iterations, jobs, _progress())
-    text = profile.to_json()
-    if args.out:
-        Path(args.out).write_text(text, encoding="utf-8")
-        print(format_fit(profile), file=sys.stderr if args.json else sys.stdout)
-    if args.json or not args.out:
-        sys.stdout.write(text)
-    return 0
-
-
-def format_fit(profile: calibration.Profile) -> str:
-    """The fitted constants beside their priors and ranges, and the surrogate's errors."""
-    lines = [f"{'constant':<28} {'fitted':>10} {'prior':>10} {'range':>20}  inside"]
-    for c in CONSTANTS:
-        v = profile[c.name]
-        lines.append(f"{c.name:<28} {v:>10.4g} {c.prior:>10.4g} {f'{c.low:.3g}-{c.high:.3g}':>20}  "
-                     f"{'yes' if c.low <= v <= c.high else 'NO'}")
-    r = profile.report
-    if r.get("num_rows"):
-        lines.append(f"{r['num_rows']} rows from {len(r.get('sources', []))} sources; surrogate median |error| "
-                     f"in-sample {r['surrogate_in_sample_median_abs_error']:.1%}, leave-one-source-out "
-                     f"{r['surrogate_cv_median_abs_error']:.1%} (p90 {r['surrogate_cv_p90_abs_error']:.1%}); "
-                     "`hzpsim validate published --profile FILE` simulates the cross-validation")
-    return "\n".join(lines)
-
-
-def _cmd_published(args: argparse.Namespace) -> int:
-    from hzpsim.validation.csvfile import rows_to_scenarios
-    from hzpsim.validation.regimes import measurements
-
-    try:
-        cases = rows_to_scenarios(args.csv_path)
-    except ScenarioError as exc:
-        raise ScenarioError(f"--csv: {exc}") from None
-    return _run(measurements(cases), args)
-
+# -- reading measured runs --------------------------------------------------------------------
 
 def read_measured(path: str) -> list[Measurement]:
     """Rows of a ``calibrate measured`` file; ScenarioError naming the row and key otherwise."""
@@ -430,10 +332,6 @@ def read_measured(path: str) -> list[Measurement]:
         label = str(row.get("label") or f"row {i}")
         out.append(Measurement(label, str(row.get("source") or label), scenario, tps))
     return out
-
-
-def _cmd_measured(args: argparse.Namespace) -> int:
-    return _run(read_measured(args.file), args)
 
 
 def constants_table(profile: Profile) -> str:

@@ -11,7 +11,7 @@ written up in ``docs/validation.md``.
     df = validate_published(select_cases(cases, families=["fsdp", "zero2", "zero3"]))
     print(format_validation(df))
 
-    python -m hzpsim.validation --family fsdp --max-devices 64    # = hzpsim validate published ...
+    hzpsim validate published --family fsdp --max-devices 64      # the command (hzpsim.cli.validate)
 
 Comparison basis. Tokens/s per GPU (equivalently the step time) is convention-free and is the
 headline metric. The CSV's MFU / TFLOP/s columns use each source's own FLOP convention (SC'21
@@ -28,16 +28,10 @@ Every mapping rule is documented next to the code that applies it and in docs/va
 Modules: ``cells`` (reading one CSV cell), ``families`` (per-family model architecture, from
 hzpsim/data/model_families.yaml), ``mapping`` (row -> scenario mapping, :class:`Case`),
 ``measured`` (measured and derived values), ``csvfile`` (reading and selecting rows), ``run``
-(simulating, statistics), ``command`` (the table, JSON, options and their checks).
+(simulating, statistics), ``table`` (the table ``hzpsim validate published`` prints). The
+command itself (its options, their checks, the JSON) is :mod:`hzpsim.cli.validate`.
 """
 
-from hzpsim.validation.command import (
-    add_arguments,
-    check_options,
-    format_validation,
-    main_published,
-    run_from_args,
-)
 from hzpsim.validation.csvfile import (
     DEFAULT_CSV,
     REQUIRED_COLUMNS,
@@ -62,6 +56,7 @@ from hzpsim.validation.mapping import (
 )
 from hzpsim.validation.measured import measured_values, sc21_flops_per_iteration
 from hzpsim.validation.run import COLUMNS, skip_category, summarize, validate_published
+from hzpsim.validation.table import format_validation
 
 __all__ = [
     "COLUMNS",
@@ -70,13 +65,10 @@ __all__ = [
     "STRATEGY_FAMILIES",
     "Case",
     "ModelFamily",
-    "add_arguments",
     "case_from_row",
-    "check_options",
     "fam_of",
     "family_of",
     "format_validation",
-    "main_published",
     "map_cluster",
     "map_device",
     "map_model",
@@ -89,7 +81,6 @@ __all__ = [
     "parse_inter_node",
     "read_rows",
     "rows_to_scenarios",
-    "run_from_args",
     "sc21_flops_per_iteration",
     "select_cases",
     "skip_category",

@@ -16,19 +16,16 @@ the ``local-cpu`` preset (optionally with a ``hzpsim calibrate machine`` profile
 Run it::
 
     hzpsim validate executor --world 4 --json
-    python -m hzpsim.validation.executor --world 2 --strategies zero3
+    hzpsim validate executor --world 2 --strategies zero3
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
 import math
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from hzpsim import strategies
@@ -371,64 +368,3 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def _sharing(row: dict[str, Any]) -> str:
     cal, run = row.get("sharing_factor_calibration"), row.get("sharing_factor_run")
     return f"{cal:.2f}/{run:.2f}" if cal and run else "-"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in executor-validation one)")
-    parser.add_argument("--profile", help="device + fabric profile written by `hzpsim calibrate machine`")
-    parser.add_argument("--strategies", default="zero3,hsdp,nd,asynchzp",
-                        help="comma-separated subset of zero3,zero2,hsdp,nd,asynchzp")
-    parser.add_argument("--world", type=int, default=4, help="processes (default 4)")
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (default 6)")
-    parser.add_argument("--comm-delay", type=float, default=0.0, help="artificial host delay per collective call, s")
-    parser.add_argument("--json", action="store_true", help="print the list of comparison objects as JSON")
-
-
-def check_run_options(args: argparse.Namespace) -> None:
-    """``--world``, ``--steps`` and ``--comm-delay`` of ``execute`` and ``validate executor``."""
-    if not 1 <= args.world <= 64:
-        raise ScenarioError(f"--world: {args.world} is not between 1 and 64")
-    if args.steps < 3:
-        raise ScenarioError("--steps: at least 3 (warm-up, counted step, last step)")
-    if args.comm_delay < 0:
-        raise ScenarioError("--comm-delay: must be >= 0")
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    from hzpsim.executor import require_torch
-
-    require_torch()
-    filters = [f.strip() for f in args.strategies.split(",") if f.strip()]
-    unknown = [f for f in filters if f not in STRATEGY_FILTERS]
-    if unknown:
-        raise ScenarioError(f"--strategies: unknown {unknown[0]!r} (known: {', '.join(STRATEGY_FILTERS)})")
-    check_run_options(args)
-    raw = DEFAULT_SCENARIO
-    if args.scenario:
-        from hzpsim.presets import read_yaml
-
-        if not Path(args.scenario).is_file():
-            raise ScenarioError(f"{args.scenario}: no such scenario file")
-        raw = read_yaml(Path(args.scenario))
-        if not isinstance(raw, dict):
-            raise ScenarioError(f"{args.scenario}: a scenario must be a mapping")
-    profile = load_profile(args.profile)
-    scenario = scenario_for_world(raw, args.world, profile, args.comm_delay, filters)
-    sharing = profile.get("measurements", {}).get("sharing_factor")
-    rows = compare(scenario, args.world, num_steps=args.steps, comm_delay_s=args.comm_delay,
-                   calibration_sharing=float(sharing) if sharing else None)
-    if args.json:
-        print(json.dumps(rows, indent=2, sort_keys=True))
-    else:
-        print(format_table(rows))
-    return 0
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m hzpsim.validation.executor", description=__doc__.split("\n")[0])
-    add_arguments(_parser)
-    try:
-        sys.exit(run_from_args(_parser.parse_args()))
-    except ScenarioError as _exc:
-        print(f"hzpsim: error: {_exc}", file=sys.stderr)
-        sys.exit(2)

@@ -143,14 +143,38 @@ def test_constants_doc_table_is_the_shipped_profile() -> None:
     assert block.strip() == calibrate.constants_table(calibration.load(calibration.DEFAULT_PATH)).strip()
 
 
-def test_validate_executor_keeps_its_own_profile_option() -> None:
-    """``validate executor --profile`` names a machine profile (YAML), not a calibration."""
-    from hzpsim.cli import make_parser
+def test_profile_means_one_thing_for_every_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--profile`` is one option with one file format for run, compare, search, validate
+    published and validate executor; a profile carrying a machine (its device file, its fabric)
+    sets the scenario's device and fabric for ``run`` too, and ``--set`` still wins."""
+    import dataclasses
 
-    args = make_parser().parse_args(["validate", "executor", "--profile", "machine.yaml"])
-    assert getattr(args, "calibration_profile", None) is None
-    args = make_parser().parse_args(["validate", "published", "--profile", "fit.json"])
-    assert args.calibration_profile == "fit.json"
+    import yaml
+
+    from hzpsim.cli import make_parser
+    from hzpsim.hardware.devices import get_device, write_device
+
+    for argv in (["run"], ["compare"], ["search"], ["validate", "published"], ["validate", "executor"]):
+        assert make_parser().parse_args([*argv, "--profile", "p.yaml"]).calibration_profile == "p.yaml", argv
+    device = dataclasses.replace(get_device("h100-sxm"), name="h100-slow",
+                                 peak_bf16_flops_per_s=get_device("h100-sxm").peak_bf16_flops_per_s / 2)
+    write_device(device, tmp_path / "h100-slow.yaml")
+    doc = calibration.machine_document("h100-slow.yaml", {"inter_node_bytes_per_s_per_device": 12.5e9}, {}, "test")
+    (tmp_path / "machine.yaml").write_text(yaml.safe_dump(doc))
+    base = ["run", "--json", "--set", "strategies=[{name: zero, stage: 3}]"]
+
+    def step(*extra: str) -> dict:
+        assert main([*base, *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        return out[0] if isinstance(out, list) else out
+
+    plain = step()
+    slow = step("--profile", str(tmp_path / "machine.yaml"))
+    assert slow["step_time_s"] > plain["step_time_s"]
+    assert slow["strategy_resolved"] == plain["strategy_resolved"]
+    back = step("--profile", str(tmp_path / "machine.yaml"), "--set", "cluster.device=h100-sxm",
+                "--set", "cluster.inter_node_bytes_per_s_per_device=50e9")
+    assert back["step_time_s"] == plain["step_time_s"]  # the user's --set wins over the profile's machine
 
 
 def test_a_command_profile_does_not_outlive_the_command(tmp_path: Path) -> None:

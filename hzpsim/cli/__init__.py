@@ -32,8 +32,8 @@ from collections.abc import Sequence
 
 from hzpsim import __version__
 from hzpsim.cli import calibrate, execute, listing, regress, run, search, validate
+from hzpsim.cli.options import profile_option
 from hzpsim.config import ScenarioError
-from hzpsim.fitting.published import profile_option
 from hzpsim.model.ops import GraphError, SimulatorFault
 from hzpsim.run import run_choice
 

@@ -7,8 +7,11 @@ simulated, so that a bad value costs nothing and ``hzpsim`` exits 2 with one lin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from typing import Any
 
+from hzpsim.calibration import profile as calibration
 from hzpsim.config import ScenarioError
 
 
@@ -19,10 +22,46 @@ def add_scenario(parser: argparse.ArgumentParser) -> None:
                         help="override a field, e.g. cluster.num_nodes=16")
 
 
-def add_profile(parser: argparse.ArgumentParser, help_text: str = "calibration profile JSON (default: the shipped fit)") -> None:
-    """``--profile FILE``: the calibration profile active while the command runs (``hzpsim.cli.main``
-    reads ``args.calibration_profile``)."""
+PROFILE_HELP = ("calibration profile, JSON or YAML (default: the shipped fit): its fitted constants, and "
+                "the machine `hzpsim calibrate machine` measured (device file and fabric) where it has one")
+
+
+def add_profile(parser: argparse.ArgumentParser, help_text: str = PROFILE_HELP) -> None:
+    """``--profile FILE``, the one profile option: its constants are active while the command
+    runs (``hzpsim.cli.main`` reads ``args.calibration_profile``), and a profile that carries a
+    machine also sets the scenario's device and fabric (:func:`scenario_overrides`)."""
     parser.add_argument("--profile", dest="calibration_profile", metavar="FILE", help=help_text)
+
+
+def profile_option(path: str | None) -> contextlib.AbstractContextManager[Any]:
+    """``--profile FILE``: a context in which that profile is active (the active profile is
+    restored after the command); ScenarioError if the file is unreadable."""
+    if path is None:
+        return contextlib.nullcontext()
+    try:
+        return calibration.using(calibration.load(path))
+    except ValueError as exc:
+        raise ScenarioError(f"--profile: {exc}") from None
+
+
+def scenario_overrides(args: argparse.Namespace) -> list[str]:
+    """The command's ``--set`` overrides, after those the ``--profile``'s machine implies
+    (``cluster.device`` = its device file, its fabric's fields), so that the user's own win."""
+    path = getattr(args, "calibration_profile", None)
+    machine = {}
+    if path is not None:
+        try:
+            machine = calibration.load(path).machine()
+        except ValueError as exc:
+            raise ScenarioError(f"--profile: {exc}") from None
+    out: list[str] = []
+    if machine:
+        if not isinstance(machine["device"], str):
+            raise ScenarioError(f"--profile {path}: its device is inline (written before device files); "
+                                "run `hzpsim calibrate machine` again to get a device file")
+        out.append(f"cluster.device={machine['device']}")
+        out += [f"cluster.{key}={value!r}" for key, value in sorted(machine["cluster"].items())]
+    return out + list(getattr(args, "set", None) or ())
 
 
 def positive_int(value: str | None, flag: str, default: int | None = None) -> int | None:

@@ -18,7 +18,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from hzpsim import strategies
-from hzpsim.cli.options import add_profile, add_scenario, check_plot_path, check_writable
+from hzpsim.cli.options import (
+    add_profile,
+    add_scenario,
+    check_plot_path,
+    check_writable,
+    scenario_overrides,
+)
 from hzpsim.config import ScenarioError
 from hzpsim.report import chrome_trace, format_summary, to_json
 from hzpsim.run import choose, format_decisions
@@ -85,7 +91,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace, compare: bool) -> int:
-    scenario = load_scenario(args.scenario, args.set or ())
+    scenario = load_scenario(args.scenario, scenario_overrides(args))
     if compare and len(scenario.strategies) < 2 and not args.json:
         print("note: the scenario has one strategy; give a `strategies:` list to compare several", file=sys.stderr)
     if args.trace:

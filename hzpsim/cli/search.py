@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from hzpsim import search
-from hzpsim.cli.options import add_profile, add_scenario, check_plot_path, positive_int
+from hzpsim.cli.options import (
+    add_profile,
+    add_scenario,
+    check_plot_path,
+    positive_int,
+    scenario_overrides,
+)
 from hzpsim.config import ScenarioError
 from hzpsim.report import to_json
 from hzpsim.scenario import Scenario
@@ -76,7 +82,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     max_evals = positive_int(args.max_evals, "--max-evals")
     workers = positive_int(args.workers, "--workers")
     families = search.parse_families(args.family)
-    scenario = load_search_scenario(args.scenario, args.set or ())
+    scenario = load_search_scenario(args.scenario, scenario_overrides(args))
     space = search.default_space(scenario)
     for text in args.space or ():
         space = space.replace(text)

@@ -144,10 +144,10 @@ def main_published(
 
 
 def _executor_arguments(parser: argparse.ArgumentParser) -> None:
-    # --profile here is the machine profile of `hzpsim calibrate machine`, not a calibration
-    # profile: its own dest, so that hzpsim.cli.main does not activate it
+    # --profile is the one profile option: its constants are active (hzpsim.cli.main), its
+    # machine (device file and fabric) is the simulated side's
     parser.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in executor-validation one)")
-    parser.add_argument("--profile", help="device + fabric profile written by `hzpsim calibrate machine`")
+    add_profile(parser)
     parser.add_argument("--strategies", default="zero3,hsdp,nd,asynchzp",
                         help="comma-separated subset of zero3,zero2,hsdp,nd,asynchzp")
     parser.add_argument("--world", type=int, default=4, help="processes (default 4)")
@@ -175,7 +175,7 @@ def _cmd_executor(args: argparse.Namespace) -> int:
         raw = read_yaml(Path(args.scenario))
         if not isinstance(raw, dict):
             raise ScenarioError(f"{args.scenario}: a scenario must be a mapping")
-    profile = executor.load_profile(args.profile)
+    profile = executor.load_profile(args.calibration_profile)
     scenario = executor.scenario_for_world(raw, args.world, profile, args.comm_delay, filters)
     sharing = profile.get("measurements", {}).get("sharing_factor")
     rows = executor.compare(scenario, args.world, num_steps=args.steps, comm_delay_s=args.comm_delay,

@@ -37,7 +37,6 @@ here are informational.
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import functools
 import math
@@ -346,15 +345,3 @@ def constants_table(profile: Profile) -> str:
         lines.append(f"| `{c.name}` | {v:.3g} | {c.prior:g} | {c.low:g}–{c.high:g} | "
                      f"{'yes' if c.low <= v <= c.high else '**no**'} | {spread} | {c.meaning} | {c.source} |")
     return "\n".join(lines)
-
-
-def profile_option(path: str | None) -> contextlib.AbstractContextManager[Any]:
-    """``--profile FILE``: a context in which that profile is active (the active profile is
-    restored after the command); ScenarioError if the file is unreadable."""
-    if path is None:
-        return contextlib.nullcontext()
-    try:
-        return calibration.using(calibration.load(path))
-    except ValueError as exc:
-        raise ScenarioError(f"--profile: {exc}") from None
-

@@ -1,9 +1,9 @@
 """Where an executor step's wall time goes: every blocking collective call timed on every rank.
 
-    python scripts/executor_timeline.py zero3            # the default executor scenario, 4 ranks
-    python scripts/executor_timeline.py hsdp --world 4 --steps 8
+    python scripts/executor_timeline.py zero              # ZeRO-3 (FSDP2), the executor scenario, 4 ranks
+    python scripts/executor_timeline.py zero --stage 2 --world 4 --steps 8
 
-Runs one strategy of ``hzpsim.validation.executor.DEFAULT_SCENARIO`` on the executor (gloo, CPU)
+Runs ZeRO (``zero``, stage 3 or 2) on ``hzpsim.validation.executor.DEFAULT_SCENARIO``'s model on the executor (gloo, CPU)
 with the ``torch.distributed`` collective functions FSDP2 calls wrapped to record, per call and
 rank, when the training thread entered and left it and the thread's CPU time at both. FSDP2
 calls them with ``async_op=False`` (``_fsdp_collectives.py::foreach_all_gather`` from
@@ -15,7 +15,7 @@ inside every call. The calls of all ranks are matched in order and the step is s
 
 with each rank's main-thread CPU inside and between the calls. ``docs/executor.md`` ("Inside a
 ZeRO-3 step") has the figures. DTensor's functional collectives (ND) do not pass through these
-functions, so the script times FSDP2 over the whole world (zero3, zero2) only: HSDP's pairs would be
+functions, so the script times FSDP2 over the whole world (zero, stage 3 or 2) only: HSDP's pairs would be
 matched across groups. A measurement tool;
 nothing here models anything.
 """
@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and sys.argv[1:2] == ["--worker"]:
         return _worker(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("strategy", choices=("zero3", "zero2"))
+    parser.add_argument("strategy", nargs="?", default="zero", choices=("zero",),
+                        help="FSDP2 over the whole world (hzpsim's zero); HSDP and ND are not timed here")
+    parser.add_argument("--stage", type=int, default=3, choices=(2, 3), help="ZeRO stage (default 3)")
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps (the first two are warm-up)")
     args = parser.parse_args(argv)
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     from hzpsim.executor.spec import run_specs
     from hzpsim.validation.executor import DEFAULT_SCENARIO, scenario_for_world
 
-    scenario = scenario_for_world(DEFAULT_SCENARIO, args.world, {}, filters=[args.strategy])
+    raw = {**DEFAULT_SCENARIO, "strategies": [{"name": args.strategy, "stage": args.stage}]}
+    scenario = scenario_for_world(raw, args.world, {})
     specs = run_specs(scenario, args.world, num_steps=args.steps, measure_memory=False)
     with tempfile.TemporaryDirectory(prefix="hzpsim-timeline-") as out:
         Path(out, "spec.json").write_text(json.dumps([s.to_mapping() for s in specs]))
@@ -128,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(HZPSIM_TIMELINE_OUT=out,
                           PYTHONPATH=os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p))
         launch(args.world, ["executor_timeline", "--worker", "--spec", str(Path(out, "spec.json")), "--out", out],
-               out, 600.0, f"timeline: {args.strategy}")
+               out, 600.0, f"timeline: {specs[0].label}")
         ranks = [json.loads(Path(out, f"timeline{r}.json").read_text()) for r in range(args.world)]
-    print(f"{args.strategy}, {args.world} ranks (s per step; held = last arrival to last release of each call, "
+    print(f"{specs[0].label}, {args.world} ranks (s per step; held = last arrival to last release of each call, "
           "between = last release to the next call's last arrival; main CPU per rank, mean)")
     print(f"{'step':>4} {'wall':>7} {'calls':>5} {'held':>7} {'between':>8} {'main CPU':>9} {'in calls':>9}")
     for step in range(2, args.steps):

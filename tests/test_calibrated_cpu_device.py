@@ -100,7 +100,7 @@ def _profile(**device):
     return {"device": {"kernel_launch_s": 1e-5, "collective_call_s": 1e-4, **device}, "cluster": {}}
 
 
-@pytest.mark.parametrize("strategy, field, value", [("zero3", "fsdp2_call_host_s", 2e-3),
+@pytest.mark.parametrize("strategy, field, value", [("zero(stage=3)", "fsdp2_call_host_s", 2e-3),
                                                     ("nd", "dtensor_op_host_s", 2e-4)])
 def test_the_framework_host_cost_lengthens_the_predicted_step(strategy, field, value):
     """ZeRO-3 on FSDP2 issues 36 gather / reduce calls per rank and step, ND's DTensor layers
@@ -119,7 +119,7 @@ def test_fsdp2_holds_the_training_thread_in_every_call_on_a_cpu(monkeypatch):
     (10 ms each here, everything else cheap) follow one another and the compute, so the step
     is at least their sum. Without the wait the backward's gathers and reduce-scatters overlap."""
     rows = [[kind, 4, 1e-2, 0.0] for kind in ("all_gather", "reduce_scatter", "all_reduce")]
-    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(collective_costs=rows), filters=["zero3"])
+    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(collective_costs=rows), filters=["zero(stage=3)"])
     blocking = predicted_report(scenario, scenario.strategies[0])["step_time_s"]
     assert blocking >= 37 * 1e-2, blocking
     monkeypatch.setitem(impl.IMPLEMENTATIONS, "fsdp2", dataclasses.replace(impl.get("fsdp2"), blocking_calls=False))
@@ -129,7 +129,7 @@ def test_fsdp2_holds_the_training_thread_in_every_call_on_a_cpu(monkeypatch):
 
 def test_validate_reads_the_collective_table_from_the_profile():
     rows = [["all_gather", 4, 2e-3, 1e-9], ["reduce_scatter", 4, 5e-3, 4e-9]]
-    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(collective_costs=rows), filters=["zero3"])
+    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(collective_costs=rows), filters=["zero(stage=3)"])
     assert scenario.topology.device.collective_costs == tuple(tuple(r) for r in rows)
 
 
@@ -258,7 +258,7 @@ def test_at_load_scales_every_cpu_cost_and_the_prediction():
     assert slow.framework_cost_s("dtensor", "op_s") is None  # not measured stays not measured
     assert [c[2:] for c in slow.collective_costs] == [pytest.approx((1.5 * c[2], 1.5 * c[3])) for c in COSTS]
     scenario = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(fsdp2_call_host_s=2e-3, collective_costs=[list(c) for c in COSTS]),
-                                  filters=["zero3"])
+                                  filters=["zero(stage=3)"])
     base = predicted_report(scenario, scenario.strategies[0])["step_time_s"]
     scenario.topology.device = at_load(scenario.topology.device, 1.5)
     assert predicted_report(scenario, scenario.strategies[0])["step_time_s"] == pytest.approx(1.5 * base, rel=0.02)
@@ -371,10 +371,10 @@ def test_the_artificial_delay_is_a_wait_on_a_pooled_device_and_host_time_otherwi
     CPU pool it joins each call's wait; without one it stays a per-call host cost."""
     rows = [list(c) for c in COSTS]
     pooled = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(node_cpu_cores=1.9, collective_costs=rows),
-                                comm_delay_s=0.02, filters=["zero3"]).topology.device
+                                comm_delay_s=0.02, filters=["zero(stage=3)"]).topology.device
     assert pooled.collective_call_s == pytest.approx(1e-4)
     assert [c[2] for c in pooled.collective_costs] == pytest.approx([c[2] + 0.02 for c in COSTS])
     plain = scenario_for_world(DEFAULT_SCENARIO, 4, _profile(collective_costs=rows), comm_delay_s=0.02,
-                               filters=["zero3"]).topology.device
+                               filters=["zero(stage=3)"]).topology.device
     assert plain.collective_call_s == pytest.approx(1e-4 + 0.02)
     assert plain.collective_costs == COSTS

@@ -101,7 +101,7 @@ def test_the_validate_executor_scenario_names_the_device_file_and_run_reproduces
     write_device(device, tmp_path / "my-box.yaml")
     profile_path = tmp_path / "profile.yaml"
     profile_path.write_text(yaml.safe_dump(machine_document("my-box.yaml", {"intra_node_latency_s": 3e-5}, {}, "test")))
-    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, load_profile(str(profile_path)), filters=["zero3"])
+    scenario = scenario_for_world(DEFAULT_SCENARIO, 4, load_profile(str(profile_path)), filters=["zero(stage=3)"])
     assert scenario.topology.device.path == str((tmp_path / "my-box.yaml").resolve())
     # the sweep's rate for this model's small GEMMs, not the file's peak
     assert 1.99e10 <= scenario.topology.device.peak_fp32_flops_per_s <= 8e10

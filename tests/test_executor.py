@@ -61,6 +61,117 @@ def test_loading_the_executor_loads_no_simulator_module():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def _executor_imports(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Executor module -> the executor modules it imports (at any depth, ``from hzpsim.executor
+    import model`` included)."""
+    graph: dict[str, set[str]] = {}
+    for name, source in sources.items():
+        found = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.ImportFrom) and node.module == "hzpsim.executor":
+                found |= {a.name for a in node.names if a.name in sources}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hzpsim.executor."):
+                found.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("hzpsim.executor.")}
+        graph[name] = found - {name}
+    return graph
+
+
+def _import_circle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of ``graph`` as [a, b, ..., a], or [] when the arrows point one way."""
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> list[str]:
+        state[node] = 1
+        for other in sorted(graph.get(node, ())):
+            if state.get(other) == 1:
+                return path[path.index(other):] + [other]
+            if other not in state and (found := visit(other, path + [other])):
+                return found
+        state[node] = 2
+        return []
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node, [node])):
+            return found
+    return []
+
+
+def test_executor_modules_import_one_way():
+    """No import circle inside hzpsim/executor/ (trainers.py is the table that imports the
+    trainers; the trainers share executor/common.py and never import the table)."""
+    sources = {p.stem: p.read_text(encoding="utf-8") for p in (ROOT / "hzpsim" / "executor").glob("*.py")
+               if p.stem != "__init__"}
+    graph = _executor_imports(sources)
+    assert graph["trainers"] >= {"nd", "asynchzp", "fsdp", "reference"}
+    assert _import_circle(graph) == [], _import_circle(graph)
+    # the check sees a circle when there is one
+    sources["nd"] += "\nfrom hzpsim.executor.trainers import make_trainer\n"
+    assert _import_circle(_executor_imports(sources)) == ["nd", "trainers", "nd"]
+
+
+def test_the_executor_names_strategies_as_the_simulator_does():
+    """RunSpec.strategy is a simulator plugin name (or ``reference``); ZeRO's stage is a layout
+    field."""
+    from hzpsim import strategies
+    from hzpsim.config import ScenarioError
+    from hzpsim.executor.spec import (
+        EXECUTOR_STRATEGIES,
+        SIMULATOR_STRATEGIES,
+        Layout,
+        RunSpec,
+        run_specs,
+    )
+    from hzpsim.scenario import scenario_from_mapping
+
+    assert set(SIMULATOR_STRATEGIES) <= set(strategies.available())
+    assert set(EXECUTOR_STRATEGIES) == {"reference", *SIMULATOR_STRATEGIES}
+    raw = copy.deepcopy(TINY)
+    raw["strategies"] = [{"name": "zero", "stage": 2}, {"name": "zero"}, {"name": "hsdp", "shard_group_size": 2}]
+    specs = run_specs(scenario_from_mapping(raw), 4)
+    assert [(s.strategy, s.layout.stage) for s in specs] == [("zero", 2), ("zero", 3), ("hsdp", 3)]
+    assert [s.label for s in specs][:2] == ["zero(stage=2)", "zero(stage=3)"]
+    with pytest.raises(ScenarioError, match="stage 2 or 3"):
+        RunSpec(specs[0].model, "zero", 2, 8, 1, layout=Layout(stage=1)).validate()
+    with pytest.raises(ScenarioError, match="'zero3'"):
+        RunSpec(specs[0].model, "zero3", 2, 8, 1).validate()
+
+
+def test_the_trainer_table_has_the_executor_strategies():
+    pytest.importorskip("torch")
+    from hzpsim.executor.spec import EXECUTOR_STRATEGIES
+    from hzpsim.executor.trainers import TRAINERS
+
+    assert tuple(TRAINERS) == EXECUTOR_STRATEGIES
+
+
+@pytest.mark.parametrize("filters, expected", [
+    (["zero"], [("zero", {"stage": 2}), ("zero", {"stage": 3})]),
+    (["zero(stage=2)"], [("zero", {"stage": 2})]),
+    (["zero(stage=3)", "nd"], [("zero", {"stage": 3}), ("nd", {"tp": 2})]),
+    (["nd(tp=2,sequence_parallel=true)"], []),
+    (["asynchzp(async=false)"], [("asynchzp", {"async": False})]),
+])
+def test_validate_executor_filters_by_simulator_name_and_fields(filters, expected):
+    """``--strategies NAME`` or ``NAME(FIELD=VALUE,...)``: a field the entry leaves out has the
+    strategy's default (``zero`` is stage 3 unless it says otherwise)."""
+    from hzpsim.config import ScenarioError
+    from hzpsim.validation.executor import scenario_for_world
+
+    raw = copy.deepcopy(TINY)
+    raw["strategies"] = [{"name": "zero", "stage": 2}, {"name": "zero"}, {"name": "nd", "tp": 2},
+                         {"name": "asynchzp", "async": False}]
+    if not expected:
+        with pytest.raises(ScenarioError, match="no strategy of the scenario matches"):
+            scenario_for_world(raw, 4, {}, filters=filters)
+        return
+    chosen = scenario_for_world(raw, 4, {}, filters=filters).strategies
+    assert [c.name for c in chosen] == [name for name, _ in expected]
+    for choice, (_, fields) in zip(chosen, expected):
+        assert {k: choice.resolved()[k] for k in fields} == fields
+
+
 def test_import_checker_catches_a_sim_import(tmp_path):
     """The AST scan above can fail: it flags ``from hzpsim.sim import engine``."""
     tree = ast.parse("from hzpsim.sim import engine\nimport hzpsim.hardware.compute\n")
@@ -88,6 +199,9 @@ def test_execute_without_torch_exits_2(monkeypatch, capsys):
     (["execute", "examples/executor-world4.yaml", "--set", "strategy.name=zero", "--set", "strategy.stage=1"], "stage"),
     (["execute", "examples/executor-world4.yaml", "--world", "3"], "divisible"),
     (["validate", "executor", "--strategies", "bogus"], "--strategies"),
+    (["validate", "executor", "--strategies", "zero3"], "unknown 'zero3' (known: zero, hsdp, nd, asynchzp"),
+    (["validate", "executor", "--strategies", "zero(stag=2),hsdp"], "zero has no field 'stag'"),
+    (["validate", "executor", "--strategies", "zero(stage=4)"], "--strategies zero.stage: 4"),
     (["validate", "executor", "--profile", "no-such-profile.yaml"], "--profile"),
     (["validate", "executor", "--steps", "1"], "--steps"),
     (["calibrate", "machine", "--world", "0"], "--world"),
@@ -318,7 +432,7 @@ def test_moe_under_zero3_matches_the_reference():
 
     model = Model(2, 64, 4, 128, 256, 32, dropout=False,
                   moe=MoE(num_experts=4, top_k=2, expert_ffn_hidden_size=64))
-    result, diff = _run("zero3", 2, model)
+    result, diff = _run("zero", 2, model)
     assert diff < 1e-3
     # the routed experts are their own FSDP unit, as hzpsim shards expert parameters on their own
     from hzpsim.validation.executor import predicted_collectives, scenario_for_world

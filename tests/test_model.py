@@ -364,3 +364,34 @@ def test_elementwise_traffic_of_a_gpt_layer_is_46h_bytes_per_token():
               seq_len=2048, mlp="gelu", norm="layernorm", position_embedding="learned")
     total = sum(v for v, _ in m.elementwise_bytes_per_token(0).values())
     assert total == 46 * 1024
+
+
+def test_torchtitan_op_sac_policy_recomputes_every_second_mm():
+    """The per-op policy lives in hzpsim.model.checkpointing under torchtitan's name; a Llama
+    layer (wq, wk, wv, wo, w1, w3, w2) runs wk, wo and w3 again; Model's method is that function."""
+    from hzpsim.model import checkpointing
+
+    m = _tiny(num_layers=2)
+    h, kv, f = m.hidden_size, m.kv_heads * m.head_dim_resolved, m.ffn_hidden_size
+    redo = checkpointing.torchtitan_op_sac_recomputed_linears(m, 0)
+    assert redo["attention"] == [(h, kv, "column"), (h, h, "row")]
+    assert redo["mlp"] == [(h, f, "column")] and redo["router"] == redo["expert"] == []
+    assert m.op_sac_recomputed_linears(0) == redo
+
+
+@pytest.mark.parametrize("name", ["llama2-7b", "mixtral-8x7b", "deepseek-v3"])
+def test_model_methods_are_the_split_modules_functions(name):
+    """``Model`` keeps thin methods for its callers; the counts come from activations.py,
+    checkpointing.py and dispatch.py."""
+    from hzpsim.model import activations, checkpointing, dispatch
+
+    m = load(name)
+    last = m.num_layers - 1
+    for mode in ("none", "selective", "op", "full"):
+        assert m.recompute_forward_flops(last, 7, mode) == checkpointing.recompute_forward_flops(m, last, 7, mode)
+        assert m.activation_bytes_per_layer(last, 2, tp=2, recompute=mode) == activations.activation_bytes_per_layer(
+            m, last, 2, tp=2, recompute=mode)
+    assert m.elementwise_bytes_per_token(last) == activations.elementwise_bytes_per_token(m, last)
+    assert m.layer_kernels_forward(last, backward=True) == dispatch.layer_kernels_forward(m, last, backward=True)
+    assert m.layer_kernels_fused(last) == dispatch.layer_kernels_fused(m, last) > 0
+    assert m.norm_ops() == dispatch.norm_ops(m)

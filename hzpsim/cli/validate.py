@@ -23,6 +23,7 @@ from typing import Any
 from hzpsim.calibration import profile as calibration
 from hzpsim.cli.options import add_profile, check_run_options
 from hzpsim.config import ScenarioError
+from hzpsim.executor.spec import SIMULATOR_STRATEGIES
 from hzpsim.validation.csvfile import rows_to_scenarios, select_cases
 from hzpsim.validation.mapping import STRATEGY_FAMILIES, Case
 from hzpsim.validation.run import summarize, validate_published
@@ -148,8 +149,9 @@ def _executor_arguments(parser: argparse.ArgumentParser) -> None:
     # machine (device file and fabric) is the simulated side's
     parser.add_argument("scenario", nargs="?", help="scenario YAML (default: the built-in executor-validation one)")
     add_profile(parser)
-    parser.add_argument("--strategies", default="zero3,hsdp,nd,asynchzp",
-                        help="comma-separated subset of zero3,zero2,hsdp,nd,asynchzp")
+    parser.add_argument("--strategies", default=",".join(SIMULATOR_STRATEGIES),
+                        help="comma-separated strategies of the scenario to run, NAME or 'NAME(FIELD=VALUE,...)' "
+                             f"(e.g. 'zero(stage=2),nd'); NAME one of {', '.join(SIMULATOR_STRATEGIES)} (default: all)")
     parser.add_argument("--world", type=int, default=4, help="processes (default 4)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps per run (default 6)")
     parser.add_argument("--comm-delay", type=float, default=0.0, help="artificial host delay per collective call, s")
@@ -161,10 +163,7 @@ def _cmd_executor(args: argparse.Namespace) -> int:
     from hzpsim.validation import executor
 
     require_torch()
-    filters = [f.strip() for f in args.strategies.split(",") if f.strip()]
-    unknown = [f for f in filters if f not in executor.STRATEGY_FILTERS]
-    if unknown:
-        raise ScenarioError(f"--strategies: unknown {unknown[0]!r} (known: {', '.join(executor.STRATEGY_FILTERS)})")
+    filters = executor.parse_strategy_filters(args.strategies)
     check_run_options(args)
     raw = executor.DEFAULT_SCENARIO
     if args.scenario:

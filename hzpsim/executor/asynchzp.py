@@ -40,8 +40,8 @@ from torch import nn
 from hzpsim.config import ScenarioError
 from hzpsim.executor import counting
 from hzpsim.executor import model as tmodel
+from hzpsim.executor.common import clip_coefficient, cross_entropy, local_batch, micro_batches
 from hzpsim.executor.spec import RunSpec
-from hzpsim.executor.trainers import clip_coefficient, cross_entropy, local_batch, micro_batches
 
 
 @dataclass

@@ -23,14 +23,14 @@ from torch import nn
 
 from hzpsim.config import ScenarioError
 from hzpsim.executor import model as tmodel
-from hzpsim.executor.spec import RunSpec
-from hzpsim.executor.trainers import (
+from hzpsim.executor.common import (
     adam_state_bytes,
     clip_coefficient,
     cross_entropy,
     micro_batches,
     tensor_bytes,
 )
+from hzpsim.executor.spec import RunSpec
 
 
 class _Stage(nn.Module):

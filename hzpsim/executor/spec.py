@@ -1,7 +1,9 @@
 """What one executor run is: model, batch, strategy layout and measurement settings (no torch).
 
 :func:`run_specs` turns a loaded scenario (the same YAML ``hzpsim run`` reads) into one
-:class:`RunSpec` per entry of its ``strategies:`` list, for ``world_size`` processes. Try it::
+:class:`RunSpec` per entry of its ``strategies:`` list, for ``world_size`` processes. A run
+spec names its strategy as the simulator does (``zero`` with ``Layout.stage`` 3 or 2, ``hsdp``,
+``nd``, ``asynchzp``), or ``reference`` (one process, the baseline). Try it::
 
     python -c "from hzpsim.executor.spec import demo; print(demo())"
 """
@@ -15,13 +17,32 @@ from typing import Any
 from hzpsim.config import ScenarioError
 from hzpsim.model import Model
 
-EXECUTOR_STRATEGIES = ("reference", "zero3", "zero2", "hsdp", "nd", "asynchzp")
+SIMULATOR_STRATEGIES = ("zero", "hsdp", "nd", "asynchzp")
+"""The simulator's strategies (``hzpsim.strategies`` plugin names) the executor runs."""
+EXECUTOR_STRATEGIES = ("reference", *SIMULATOR_STRATEGIES)
+"""What ``RunSpec.strategy`` may be: the simulator's names plus the single-process ``reference``."""
+
+IMPLEMENTATIONS = {"zero": "fsdp2", "hsdp": "fsdp2", "nd": "dtensor", "asynchzp": "reference"}
+"""The simulator's implementation profile (``strategies/_implementations.py``) of what the
+executor runs for each strategy: FSDP2 for ZeRO-3/ZeRO-2/HSDP, DTensor TP+SP with
+torch.distributed.pipelining for ND, our own AsyncHZP."""
+
+VALIDATION_STRATEGIES: tuple[dict[str, Any], ...] = (
+    {"name": "zero", "stage": 3},
+    {"name": "hsdp", "shard_group_size": 2},
+    {"name": "nd", "tp": 2, "pp": 2, "sequence_parallel": True},
+    {"name": "nd", "tp": 2, "dp": 2, "sequence_parallel": True},
+    {"name": "asynchzp", "param_group_size": 2, "grad_group_size": 2, "optim_group_size": 4},
+)
+"""The scenario entries ``hzpsim validate executor`` runs by default, for world size 4
+(:func:`fit_world` shrinks them for smaller worlds; ``examples/executor-world4.yaml``)."""
 
 
 @dataclass(frozen=True)
 class Layout:
     """Strategy layout as the executor runs it (sizes in ranks)."""
 
+    stage: int = 3  # zero: 3 = parameters resharded after the forward (gathered again), 2 = kept
     shard_group_size: int = 0  # hsdp: ranks of one shard group (0 = world)
     tp: int = 1  # nd: tensor-parallel size (DTensor, sequence parallel)
     pp: int = 1  # nd: pipeline stages (torch.distributed.pipelining)
@@ -102,6 +123,8 @@ class RunSpec:
                 raise ScenarioError("strategy.pp: needs at least pp micro-batches per step")
             if lay.vpp > 1 and self.num_micro_batches % lay.pp:
                 raise ScenarioError("strategy.vpp: micro-batches per step must be a multiple of pp")
+        if self.strategy == "zero" and lay.stage not in (2, 3):
+            raise ScenarioError(f"strategy.stage: the executor runs ZeRO stage 2 or 3 (FSDP2), not {lay.stage}")
         if self.strategy == "hsdp":
             g = lay.shard_group_size or n
             if n % g:
@@ -147,7 +170,7 @@ def _layout_of(name: str, config: Any) -> tuple[str, Layout]:
         stage = get("stage", 3)
         if stage not in (2, 3):
             raise ScenarioError(f"strategy.stage: the executor runs ZeRO stage 2 or 3 (FSDP2), not {stage}")
-        return ("zero3" if stage == 3 else "zero2"), Layout()
+        return "zero", Layout(stage=stage)
     if name == "hsdp":
         return "hsdp", Layout(shard_group_size=get("shard_group_size") or 0)
     if name == "nd":
@@ -167,7 +190,34 @@ def _layout_of(name: str, config: Any) -> tuple[str, Layout]:
             param_group_size=get("param_group_size") or 0, grad_group_size=get("grad_group_size") or 0,
             optim_group_size=get("optim_group_size") or 0, asynchronous=get("async_", True),
             prefetch_depth=get("prefetch_depth", 1), reduce_buffers=get("reduce_buffers", 2))
-    raise ScenarioError(f"strategy.name: the executor does not run {name!r} (zero, hsdp, nd, asynchzp)")
+    raise ScenarioError(f"strategy.name: the executor does not run {name!r} ({', '.join(SIMULATOR_STRATEGIES)})")
+
+
+def fit_world(entry: dict[str, Any], world: int) -> dict[str, Any]:
+    """A scenario strategy entry (``{"name": ..., field: value}``) with the group sizes that do
+    not divide ``world`` shrunk (e.g. the world-4 :data:`VALIDATION_STRATEGIES` at --world 2)."""
+    name = entry.get("name")
+    if name == "hsdp" and entry.get("shard_group_size") and world % entry["shard_group_size"]:
+        entry["shard_group_size"] = world
+    if name == "hsdp" and entry.get("shard_group_size", 0) > world:
+        entry["shard_group_size"] = world
+    if name == "nd":
+        tp, pp = entry.get("tp", 1), entry.get("pp", 1)
+        while tp * pp > world or world % (tp * pp):
+            if pp > 1:
+                pp //= 2
+            else:
+                tp //= 2
+        entry.update(tp=max(tp, 1), pp=max(pp, 1))
+        if entry.get("dp") is not None:
+            entry["dp"] = world // (entry["tp"] * entry["pp"])
+        if entry["tp"] == 1:
+            entry["sequence_parallel"] = False
+    if name == "asynchzp":
+        for key in ("param_group_size", "grad_group_size", "optim_group_size"):
+            if entry.get(key) and (entry[key] > world or world % entry[key]):
+                entry[key] = world
+    return entry
 
 
 def run_specs(scenario: Any, world_size: int, **overrides: Any) -> list[RunSpec]:
@@ -205,4 +255,4 @@ def _label(choice: Any) -> str:
 def demo() -> RunSpec:
     """A two-layer model under ZeRO-3 on two processes."""
     model = Model(2, 64, 4, 128, 256, 32, name="demo", dropout=False)
-    return RunSpec(model, "zero3", 2, global_batch_size=4, micro_batch_size=1)
+    return RunSpec(model, "zero", 2, global_batch_size=4, micro_batch_size=1)

@@ -16,7 +16,7 @@ the ``local-cpu`` preset (optionally with a ``hzpsim calibrate machine`` profile
 Run it::
 
     hzpsim validate executor --world 4 --json
-    hzpsim validate executor --world 2 --strategies zero3
+    hzpsim validate executor --world 2 --strategies 'zero(stage=3),hsdp'
 """
 
 from __future__ import annotations
@@ -25,11 +25,20 @@ import copy
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
+import yaml
+
 from hzpsim import strategies
-from hzpsim.config import ScenarioError
+from hzpsim.config import ScenarioError, from_mapping, to_mapping
+from hzpsim.executor.spec import (
+    IMPLEMENTATIONS,
+    SIMULATOR_STRATEGIES,
+    VALIDATION_STRATEGIES,
+    fit_world,
+)
 from hzpsim.hardware.devices import for_gemms, with_measurements
 from hzpsim.model.ops import COLLECTIVE, COLLECTIVE_KINDS
 from hzpsim.scenario import Scenario, StrategyChoice, scenario_from_mapping
@@ -44,17 +53,59 @@ DEFAULT_SCENARIO: dict[str, Any] = {
     "training": {"global_batch_size": 8, "micro_batch_size": 1, "precision": "fp32", "grad_dtype": "fp32",
                  "activation_recompute": "none"},
     "cluster": {"preset": "local-cpu"},
-    "strategies": [
-        {"name": "zero", "stage": 3},
-        {"name": "hsdp", "shard_group_size": 2},
-        {"name": "nd", "tp": 2, "pp": 2, "sequence_parallel": True},
-        {"name": "nd", "tp": 2, "dp": 2, "sequence_parallel": True},
-        {"name": "asynchzp", "param_group_size": 2, "grad_group_size": 2, "optim_group_size": 4},
-    ],
+    "strategies": [dict(entry) for entry in VALIDATION_STRATEGIES],
 }
 
-STRATEGY_FILTERS = {"zero3": ("zero", {"stage": 3}), "zero2": ("zero", {"stage": 2}), "hsdp": ("hsdp", {}),
-                    "nd": ("nd", {}), "asynchzp": ("asynchzp", {})}
+
+def split_strategy_filters(text: str) -> list[str]:
+    """``--strategies`` split at the commas outside parentheses:
+    ``"zero(stage=2),nd(tp=2,pp=2),hsdp"`` -> ``["zero(stage=2)", "nd(tp=2,pp=2)", "hsdp"]``."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth <= 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    return [p.strip() for p in parts if p.strip()]
+
+
+def parse_strategy_filter(text: str) -> tuple[str, dict[str, Any]]:
+    """One ``--strategies`` entry, ``NAME`` or ``NAME(FIELD=VALUE,...)`` as the run tables label
+    a strategy (``zero(stage=2)``), as (name, {scenario key: typed value}). NAME is one of the
+    simulator's strategies the executor runs; a field is one of the strategy's scenario keys.
+    ScenarioError (exit 2) naming the bad value otherwise."""
+    found = re.fullmatch(r"([A-Za-z_]\w*)(?:\((.*)\))?", text.strip(), re.S)
+    if found is None:
+        raise ScenarioError(f"--strategies: {text!r} is not NAME or NAME(FIELD=VALUE,...)")
+    name, inner = found.group(1), found.group(2)
+    if name not in SIMULATOR_STRATEGIES:
+        raise ScenarioError(f"--strategies: unknown {name!r} (known: {', '.join(SIMULATOR_STRATEGIES)}; "
+                            "a field filter is written name(field=value,...), e.g. zero(stage=2))")
+    plugin = strategies.get(name)
+    keys = list(to_mapping(plugin.Config()))
+    raw: dict[str, Any] = {}
+    for part in (inner or "").split(","):
+        if not part.strip() and inner is not None and inner.strip():
+            raise ScenarioError(f"--strategies: {text!r}: empty field")
+        if not part.strip():
+            continue
+        key, sep, value = (x.strip() for x in part.partition("="))
+        if not sep or key not in keys:
+            raise ScenarioError(f"--strategies: {text!r}: {name} has no field {key!r} (fields: {', '.join(keys)})")
+        raw[key] = yaml.safe_load(value) if value else ""
+    typed = to_mapping(from_mapping(plugin.Config, raw, f"--strategies {name}"))
+    return name, {key: typed[key] for key in raw}
+
+
+def parse_strategy_filters(text: str) -> list[str]:
+    """``--strategies``: the filters, each checked by :func:`parse_strategy_filter`."""
+    filters = split_strategy_filters(text)
+    for f in filters:
+        parse_strategy_filter(f)
+    return filters
 
 _PROFILE_CLUSTER_KEYS = ("intra_node_bytes_per_s", "inter_node_bytes_per_s_per_device", "intra_node_latency_s",
                          "inter_node_latency_s", "intra_node_efficiency", "inter_node_efficiency")
@@ -96,7 +147,7 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
     data["cluster"] = cluster
     entries = data.get("strategies") or [data.get("strategy")]
     data.pop("strategy", None)
-    data["strategies"] = [_executor_implementation(_fit_world(dict(e), world))
+    data["strategies"] = [_executor_implementation(fit_world(dict(e), world))
                           for e in entries if _selected(dict(e), filters)]
     if not data["strategies"]:
         raise ScenarioError(f"--strategies {','.join(filters)}: no strategy of the scenario matches")
@@ -136,10 +187,8 @@ def gemm_shapes(scenario: Scenario) -> list[tuple[float, float, float]]:
     return model_gemm_shapes(scenario.model, scenario.training.micro_batch_size)
 
 
-#: The implementation profile of what the executor runs for each strategy
-#: (strategies/_implementations.py): FSDP2 for ZeRO-3/ZeRO-2/HSDP, DTensor TP+SP with
-#: torch.distributed.pipelining for ND, our own AsyncHZP.
-EXECUTOR_IMPLEMENTATIONS = {"zero": "fsdp2", "hsdp": "fsdp2", "nd": "dtensor", "asynchzp": "reference"}
+#: The implementation profile of what the executor runs for each strategy (the executor's table).
+EXECUTOR_IMPLEMENTATIONS = IMPLEMENTATIONS
 
 
 def _executor_implementation(entry: dict[str, Any]) -> dict[str, Any]:
@@ -150,39 +199,19 @@ def _executor_implementation(entry: dict[str, Any]) -> dict[str, Any]:
 
 
 def _selected(entry: dict[str, Any], filters: Sequence[str]) -> bool:
+    """Whether the scenario entry ``entry`` matches one of ``filters`` (a field the entry does
+    not set has the strategy's default)."""
     if not filters:
         return True
     for f in filters:
-        name, fields = STRATEGY_FILTERS[f]
-        if entry.get("name") == name and all(entry.get(k, 3 if k == "stage" else None) == v for k, v in fields.items()):
+        name, fields = parse_strategy_filter(f)
+        if entry.get("name") != name:
+            continue
+        given = {k: v for k, v in entry.items() if k != "name"}
+        config = to_mapping(from_mapping(strategies.get(name).Config, given, "strategy"))
+        if all(config[k] == v for k, v in fields.items()):
             return True
     return False
-
-
-def _fit_world(entry: dict[str, Any], world: int) -> dict[str, Any]:
-    """Shrink group sizes that do not divide ``world`` (e.g. the world-4 defaults at --world 2)."""
-    name = entry.get("name")
-    if name == "hsdp" and entry.get("shard_group_size") and world % entry["shard_group_size"]:
-        entry["shard_group_size"] = world
-    if name == "hsdp" and entry.get("shard_group_size", 0) > world:
-        entry["shard_group_size"] = world
-    if name == "nd":
-        tp, pp = entry.get("tp", 1), entry.get("pp", 1)
-        while tp * pp > world or world % (tp * pp):
-            if pp > 1:
-                pp //= 2
-            else:
-                tp //= 2
-        entry.update(tp=max(tp, 1), pp=max(pp, 1))
-        if entry.get("dp") is not None:
-            entry["dp"] = world // (entry["tp"] * entry["pp"])
-        if entry["tp"] == 1:
-            entry["sequence_parallel"] = False
-    if name == "asynchzp":
-        for key in ("param_group_size", "grad_group_size", "optim_group_size"):
-            if entry.get(key) and (entry[key] > world or world % entry[key]):
-                entry[key] = world
-    return entry
 
 
 # ---------------------------------------------------------------------------------- simulator side

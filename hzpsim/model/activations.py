@@ -1,0 +1,188 @@
+"""Activation bytes of one transformer layer: what it keeps for its backward under each
+recompute mode (Korthikanti et al. 2022, arXiv 2205.05198, Table 2) and what its memory-bound
+kernels move through HBM.
+
+Pure functions of a :class:`~hzpsim.model.Model`, also reachable as its methods
+(``Model.activation_bytes_per_layer`` ...). Try it::
+
+    python -c "from hzpsim.model import Model; print(Model(2, 64, 4, 128, 256, 32).activation_bytes_per_layer(0, 1))"
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hzpsim.model.checkpointing import (
+    RECOMPUTE_MODES,
+    RecomputeMode,
+    torchtitan_op_sac_recomputed_linears,
+)
+
+if TYPE_CHECKING:
+    from hzpsim.model.architecture import Model
+
+
+def activation_terms_per_token(
+    model: Model, i: int, act_bytes: int = 2
+) -> dict[str, tuple[float, str]]:
+    """Korthikanti-style stored-activation terms of layer ``i`` for one token.
+
+    Returns ``{term: (bytes per token, kind)}``; ``kind`` is how tensor parallelism
+    treats it: "replicated" (full on every TP rank unless sequence parallel) or
+    "split" (divided by t). ``act_bytes`` is the activation dtype size (2 for bf16/fp16);
+    dropout masks are 1 byte per element. For an MHA/GELU/ffn=4h model with dropout this
+    gives replicated 10h and split 24h, i.e. Korthikanti's 34h = attention 11h + MLP 19h +
+    norms 4h. The s×s attention-score term is separate (see activation_bytes_per_layer).
+    """
+    h, a, B = model.hidden_size, model.num_heads, act_bytes
+    mask = 1 if model.dropout else 0
+    d_qk, d_v, kv = model.head_dim_resolved, model.v_head_dim_resolved, model.kv_heads
+    terms: dict[str, tuple[float, str]] = {
+        # Both pre-norms keep their input for their backward: 2 × B·h (Korthikanti 4sbh).
+        "norm_inputs": (2 * B * h, "replicated"),
+        # Attention block (Korthikanti 11sbh for MHA): QKV GEMM input B·h; Q and K for
+        # the score backward; V for the probs·V backward; output-projection input;
+        # dropout mask after the output projection.
+        "attn_qkv_input": (B * h, "replicated"),
+        "attn_q": (B * a * d_qk, "split"),
+        "attn_k": (B * kv * d_qk, "split"),
+        "attn_v": (B * kv * d_v, "split"),
+        "attn_proj_input": (B * a * d_v, "split"),
+        "attn_dropout_mask": (mask * h, "replicated"),
+    }
+    if model.mla is not None:
+        # Latent tensors: norm input and up-projection input for each compressed path
+        # (the down-projections are not tensor-parallel in Megatron).
+        m = model.mla
+        latent = m.kv_lora_rank + (m.q_lora_rank or 0)
+        terms["mla_latents"] = (2 * B * latent, "replicated")
+    # MLP block (Korthikanti 19sbh for GELU, ffn=4h): input B·h, dropout mask h, and the
+    # intermediate tensors: GELU keeps fc1 output and GELU output (2·B·f); SwiGLU keeps
+    # gate and up outputs and their product (3·B·f).
+    per_ffn = 3 if model.mlp == "swiglu" else 2
+    terms["mlp_input"] = (B * h, "replicated")
+    terms["mlp_dropout_mask"] = (mask * h, "replicated")
+    if model.is_moe_layer(i):
+        assert model.moe is not None
+        k = model.moe.top_k
+        # Router probabilities in fp32 (4 bytes × experts); each of the top_k token copies
+        # is stored as expert input (B·h) and expert output (B·h, for the gate-weight
+        # gradient of the weighted combine), plus its expert's intermediate tensors.
+        terms["router_probs"] = (4 * model.moe.num_experts, "replicated")
+        terms["expert_inputs_outputs"] = (2 * k * B * h, "replicated")
+        terms["expert_intermediate"] = (
+            k * per_ffn * B * model.moe.expert_ffn_hidden_size,
+            "split",
+        )
+        terms["shared_expert_intermediate"] = (
+            model.moe.num_shared_experts * per_ffn * B * model.moe.shared_ffn_resolved,
+            "split",
+        )
+    else:
+        terms["mlp_intermediate"] = (per_ffn * B * model.ffn_hidden_size, "split")
+    return terms
+
+
+def elementwise_bytes_per_token(model: Model, i: int, act_bytes: int = 2) -> dict[str, tuple[float, str]]:
+    """HBM bytes the memory-bound kernels of layer ``i``'s forward move per token, eager and
+    unfused (bias adds are fused into GEMM epilogues and not counted) [INF, counted kernel
+    by kernel]: each norm reads its input and writes its output (2·B·h); each residual add
+    reads two tensors and writes one (3·B·h); each dropout reads and writes B·h and writes a
+    1-byte mask; RoPE reads and writes Q and K; GELU reads and writes the B·f intermediate,
+    SwiGLU reads gate and up and writes their product (3·B·f); an MoE layer also permutes
+    and un-permutes its top_k token copies (read + write each way). Same kinds as
+    activation_terms_per_token ("replicated" / "split" under tensor parallelism). A GPT
+    layer (MHA, GELU, 4h, dropout, B = 2) moves 46·h bytes per token.
+    """
+    h, B = model.hidden_size, act_bytes
+    mask = 1 if model.dropout else 0
+    terms: dict[str, tuple[float, str]] = {
+        "norms": (2 * 2 * B * h, "replicated"),
+        "residual_adds": (2 * 3 * B * h, "replicated"),
+        "dropouts": (2 * mask * (2 * B * h + h), "replicated"),
+    }
+    if model.position_embedding == "rope" and model.mla is None:
+        d = model.head_dim_resolved
+        terms["rope"] = (2 * B * (model.num_heads + model.kv_heads) * d, "split")
+    per_ffn = 3 if model.mlp == "swiglu" else 2
+    if model.is_moe_layer(i):
+        assert model.moe is not None
+        k = model.moe.top_k
+        terms["activation_fn"] = (
+            per_ffn * B * (k * model.moe.expert_ffn_hidden_size
+                           + model.moe.num_shared_experts * model.moe.shared_ffn_resolved), "split")
+        terms["permute"] = (2 * 2 * k * B * h, "replicated")
+    else:
+        terms["activation_fn"] = (per_ffn * B * model.ffn_hidden_size, "split")
+    return terms
+
+
+def activation_bytes_per_layer(
+    model: Model,
+    i: int,
+    micro_batch_size: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: RecomputeMode = "none",
+    flash_attention: bool = True,
+    cp: int = 1,
+    act_bytes: int = 2,
+    float8: bool = False,
+) -> float:
+    """Activation bytes layer ``i`` keeps for its backward, per device (Korthikanti Table 2).
+
+    With s = seq_len/cp (local sequence), b = micro_batch_size, t = tp:
+    - none: s·b·(R + S/t) + score, where R, S are the replicated and split per-token
+      terms of activation_terms_per_token() (R is also /t with sequence parallel);
+      score = 5·a·s_q·s_kv·b/t bytes (softmax output 2, dropout mask 1, dropout output 2;
+      2·a·s_q·s_kv·b/t without dropout), s_q = s, s_kv = seq_len (each local query's
+      scores against all keys). Not stored with flash_attention (the O(a·s·b) softmax
+      statistics are ignored). GPT MHA/GELU/4h, cp=1: sbh(34 + 5as/h) with t=1;
+      sbh(10 + 24/t + 5as/(ht)) with TP; sbh/t·(34 + 5as/h) with TP+SP.
+    - selective: as none without the score term (34·sbh/t with TP+SP).
+    - op (per-op selective checkpointing, ``checkpointing.torchtitan_op_sac_recomputed_linears``): the layer input,
+      the outputs of the linears it does not run again (column-parallel: N/t per token;
+      row-parallel: the whole h-wide partial sum, plus the reduce-scatter's h/t under
+      sequence parallelism), the router's logits, and with flash attention the kernel's
+      output and its fp32 log-sum-exp (4·a/t bytes).
+    - full: only the layer input, act_bytes·s·b·h (/t with sequence parallel) = 2sbh.
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute: {recompute!r} is not one of: {', '.join(RECOMPUTE_MODES)}")
+    for name, value in (("micro_batch_size", micro_batch_size), ("tp", tp), ("cp", cp)):
+        if value < 1:
+            raise ValueError(f"{name}: must be >= 1, got {value}")
+    s_local = model.seq_len / cp
+    sb = s_local * micro_batch_size
+    rep_div = tp if sequence_parallel else 1
+    if recompute == "full":
+        return act_bytes * sb * model.hidden_size / rep_div
+    if recompute == "op":
+        h = model.hidden_size
+        linears, redo = model.layer_linears(i), torchtitan_op_sac_recomputed_linears(model, i, float8)
+        per_token = act_bytes * h / rep_div  # the checkpointed block's input
+        for block in ("attention", "router", "mlp"):
+            kept = list(linears[block])
+            for linear in redo[block]:
+                kept.remove(linear)
+            for _, n, split_kind in kept:
+                if split_kind == "column":
+                    per_token += act_bytes * n / tp
+                else:  # row-parallel (or the unsplit router): the mm's whole output
+                    per_token += act_bytes * n
+                    if split_kind == "row" and tp > 1 and sequence_parallel:
+                        per_token += act_bytes * n / tp  # the saved reduce-scatter output
+        if flash_attention:
+            per_token += (act_bytes * model.num_heads * model.v_head_dim_resolved + 4 * model.num_heads) / tp
+        return sb * per_token
+    replicated = split = 0.0
+    for per_token, kind in activation_terms_per_token(model, i, act_bytes).values():
+        if kind == "replicated":
+            replicated += per_token
+        else:
+            split += per_token
+    total = sb * (replicated / rep_div + split / tp)
+    if recompute == "none" and not flash_attention:
+        per_score = (2 * act_bytes + 1) if model.dropout else act_bytes
+        total += per_score * model.num_heads * sb * model.seq_len / tp
+    return total

@@ -25,22 +25,29 @@ def simulate_choice(scenario: Scenario, choice: StrategyChoice, expand: bool = F
     topology = scenario.topology
     plugin = strategies.get(choice.name)
     graph = plugin.build(choice.config, scenario.model, scenario.training, topology, expand=expand)
-    return _report(scenario, choice, graph, traces)
+    return report_of(scenario, choice, graph, traces)
 
 
-def _report(scenario: Scenario, choice: StrategyChoice, graph: OpGraph, traces: list[Trace] | None) -> dict[str, Any]:
+def report_of(scenario: Scenario, choice: StrategyChoice, graph: OpGraph, traces: list[Trace] | None) -> dict[str, Any]:
+    """Simulate a built graph of ``choice`` and report it (the Trace appended to ``traces``
+    when given)."""
     trace = simulate(graph, scenario.topology)
     if traces is not None:
         traces.append(trace)
     return build_report(trace, scenario.model, scenario.training, choice.resolved())
 
 
-def _resolve(scenario: Scenario, name: str, config: Any) -> StrategyChoice:
+def resolve(scenario: Scenario, name: str, config: Any) -> StrategyChoice:
+    """The choice as simulated: the plugin's ``resolve`` fills its defaults in."""
     plugin = strategies.get(name)
     if hasattr(plugin, "resolve"):
         config = plugin.resolve(config, scenario.topology)
     return StrategyChoice(name, config)
 
+
+
+# the old private name, still imported by hzpsim/fitting/published.py: drop it once that uses resolve
+_resolve = resolve
 
 def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False,
            traces: list[Trace] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -51,12 +58,12 @@ def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False,
     plugin = strategies.get(choice.name)
     config = choice.config
     if not (getattr(config, "adaptive", False) and hasattr(plugin, "candidates")):
-        return simulate_choice(scenario, _resolve(scenario, choice.name, config), expand, traces), []
+        return simulate_choice(scenario, resolve(scenario, choice.name, config), expand, traces), []
     reserve = getattr(config, "memory_reserve_fraction", 0.0)
     budget = scenario.topology.device.memory_bytes * (1 - reserve)
     rows: list[dict[str, Any]] = []
     for candidate in plugin.candidates(config, scenario.model, scenario.training, scenario.topology):
-        resolved = _resolve(scenario, choice.name, candidate)
+        resolved = resolve(scenario, choice.name, candidate)
         row: dict[str, Any] = {"config": resolved.resolved()}
         try:
             plugin.check(candidate, scenario.model, scenario.training, scenario.topology)
@@ -70,13 +77,13 @@ def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False,
                          "graph": graph, "states": states, "choice": resolved})
             continue
         kept: list[Trace] = []
-        report = _report(scenario, resolved, graph, kept if traces is not None else None)
+        report = report_of(scenario, resolved, graph, kept if traces is not None else None)
         rows.append({**row, "report": report, "fits": report["peak_memory_bytes"] <= budget, "trace": kept})
     runnable = [r for r in rows if "report" in r]
     if not runnable:  # nothing fits: simulate the candidate with the smallest resident states
         least = min((r for r in rows if "graph" in r), key=lambda r: r["states"])
         kept = []
-        least["report"] = _report(scenario, least["choice"], least["graph"], kept if traces is not None else None)
+        least["report"] = report_of(scenario, least["choice"], least["graph"], kept if traces is not None else None)
         least["fits"], least["trace"] = False, kept
         runnable = [least]
     for r in rows:

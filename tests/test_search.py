@@ -5,13 +5,16 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
 
 from hzpsim import search as S
+from hzpsim import strategies
 from hzpsim.cli import main
 from hzpsim.scenario import scenario_from_mapping
 
@@ -315,3 +318,20 @@ def test_space_syntax():
     assert space.pp == (1, 2, 3, 4, 8)
     assert S.Space().replace("sequence_parallel=true").sequence_parallel == (True,)
     assert math.isfinite(len(S.Space().tp))
+
+
+def test_the_search_names_no_strategy():
+    """``hzpsim/search/`` knows the strategies only through ``strategies.available()`` and their
+    plugins' hooks: no strategy name as a string, no private module or name of another package."""
+    names = set(strategies.available())
+    problems = []
+    for path in sorted((Path(S.__file__).parent).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                problems.append(f"{path.name}:{node.lineno}: names the strategy {node.value!r}")
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hzpsim"):
+                private = [p for p in node.module.split(".") if p.startswith("_")]
+                private += [a.name for a in node.names if a.name.startswith("_")]
+                if private:
+                    problems.append(f"{path.name}:{node.lineno}: imports the private {', '.join(private)}")
+    assert not problems, "\n".join(problems)

@@ -10,6 +10,25 @@ entry-point group by another package) that exposes:
 - optionally ``label(resolved) -> str``: a short name for tables, from the resolved config
   (``compose_label`` does the usual ``name(field=value,...)``); without it, the name.
 
+What ``hzpsim search`` asks of a plugin, all optional (docs/adding-a-strategy.md, "Search"):
+
+- ``SEARCH_RANK: int``: where the search lists the strategy (lowest first; without it, after
+  the ranked ones, by name);
+- ``layouts(model, training, topology, space) -> list[dict]``: the strategy's points of the
+  search space, each the strategy fields of one candidate (the search adds the training
+  knobs); ``space`` is the search's ``Space``, read by attribute (``tp``, ``pp``, ``vpp``,
+  ``cp``, ``ep``, ``zero_stage``, ``sequence_parallel``, ``group_sizes``). Without it: one
+  layout, ``{}`` (the Config's defaults);
+- ``search_check(config, model, training, topology)``: like ``check``, for layouts that can run
+  but that the search skips (they count as invalid);
+- ``bound(config, model, training, topology, cache) -> Bound``: lower bounds on the step time
+  and peak memory the simulator reports for a layout that passed ``check``; ``cache`` is the
+  scenario's :class:`BoundCache` (cost models and unit costs shared across candidates). A bound
+  that is not below the simulation makes the search prune what it should not: test it
+  (``tests/test_search.py``). Without it: ``Bound()`` (zero), so every layout is simulated;
+- ``refine_bound(config, model, training, topology, cache) -> Bound``: a tighter, slower bound,
+  computed only for the candidates the search is about to simulate.
+
 Adding a strategy means adding a module; nothing here lists them. Modules whose name starts
 with an underscore hold shared emitters and are not strategies.
 """
@@ -23,6 +42,9 @@ from types import ModuleType
 from typing import Any
 
 from hzpsim.config import ScenarioError
+from hzpsim.strategies._bounds import Bound, BoundCache
+
+__all__ = ["Bound", "BoundCache", "available", "compose_label", "get", "label"]
 
 _ENTRY_POINT_GROUP = "hzpsim.strategies"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from hzpsim.hardware.placement import Placement, expert_placement
 from hzpsim.hardware.topology import Topology
@@ -133,6 +134,24 @@ def level_group_sizes(topology: Topology, dims: ParallelDims = NO_MODEL_PARALLEL
         "all": world,
     }
     return {k: min(v, world) for k, v in sizes.items()}
+
+
+def search_group_sizes(topology: Topology, space: Any) -> list[int]:
+    """The group sizes ``hzpsim search`` tries for HSDP, MiCS and Megatron-FSDP: ``space.group_sizes``
+    (None: the powers of two from 2 to half the devices) that divide the devices, above one
+    rank and below all of them."""
+    n = topology.num_devices
+    groups = list(space.group_sizes) if space.group_sizes is not None else _powers_of_two(2, n // 2)
+    return sorted({g for g in groups if 1 < g < n and n % g == 0})
+
+
+def _powers_of_two(lo: int, hi: int) -> list[int]:
+    out, v = [], 1
+    while v <= hi:
+        if v >= lo:
+            out.append(v)
+        v *= 2
+    return out
 
 
 def async_streams(asynchronous: bool) -> tuple[tuple[str, str], ...]:

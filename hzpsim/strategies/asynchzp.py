@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
-from hzpsim.strategies import _family, _implementations, compose_label
+from hzpsim.strategies import _family, _family_bound, _implementations, compose_label
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._sharded import Schedule
 
@@ -125,3 +126,19 @@ check, build = _family.delegates(plan)
 def label(resolved: dict) -> str:
     """A short name for tables."""
     return compose_label(resolved, {"tp": "tp", "cp": "cp", "ep": "ep"})
+
+
+# ---------------------------------------------------------------------------- hzpsim search
+
+SEARCH_RANK = 70
+"""Where the search reports AsyncHZP among the strategies (lowest first)."""
+
+
+def layouts(model: Model, training: Training, topology: Topology, space: Any) -> list[dict[str, Any]]:
+    """The group chains the planner would try for an adaptive config (:func:`candidates`)."""
+    return [{"param_group_size": c.param_group_size, "grad_group_size": c.grad_group_size,
+             "optim_group_size": c.optim_group_size}
+            for c in candidates(Config(), model, training, topology)]
+
+
+bound = _family_bound.bound_of(plan)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hzpsim.hardware.topology import Topology
-from hzpsim.strategies import _family, _implementations
+from hzpsim.strategies import _family, _family_bound, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -33,3 +33,12 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build = _family.delegates(plan)
+
+
+# ---------------------------------------------------------------------------- hzpsim search
+
+SEARCH_RANK = 80
+"""Where the search reports DDP among the strategies (lowest first)."""
+
+# no ``layouts``: the search's default, one layout (the Config's defaults)
+bound = _family_bound.bound_of(plan)

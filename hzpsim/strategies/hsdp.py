@@ -11,9 +11,12 @@ Run with::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hzpsim.hardware.topology import Topology
-from hzpsim.strategies import _family, _implementations
+from hzpsim.model import Model
+from hzpsim.model.training import Training
+from hzpsim.strategies import _family, _family_bound, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -39,3 +42,17 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build, resolve, label = _family.one_group_member(plan, "shard_group_size", "g")
+
+
+# ---------------------------------------------------------------------------- hzpsim search
+
+SEARCH_RANK = 30
+"""Where the search reports HSDP among the strategies (lowest first)."""
+
+
+def layouts(model: Model, training: Training, topology: Topology, space: Any) -> list[dict[str, Any]]:
+    """One per shard group size the search tries (``_family.search_group_sizes``)."""
+    return [{"shard_group_size": g} for g in _family.search_group_sizes(topology, space)]
+
+
+bound = _family_bound.bound_of(plan)

@@ -12,9 +12,12 @@ Run with::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hzpsim.hardware.topology import Topology
-from hzpsim.strategies import _family, _implementations
+from hzpsim.model import Model
+from hzpsim.model.training import Training
+from hzpsim.strategies import _family, _family_bound, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -43,3 +46,19 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build, resolve, label = _family.one_group_member(plan, "shard_group_size", "g")
+
+
+# ---------------------------------------------------------------------------- hzpsim search
+
+SEARCH_RANK = 60
+"""Where the search reports Megatron-FSDP among the strategies (lowest first)."""
+
+
+def layouts(model: Model, training: Training, topology: Topology, space: Any) -> list[dict[str, Any]]:
+    """One per shard group size the search tries (``_family.search_group_sizes``), with and
+    without the outer optimizer sharding."""
+    return [{"shard_group_size": g, "outer_optim_sharding": o}
+            for g in _family.search_group_sizes(topology, space) for o in (True, False)]
+
+
+bound = _family_bound.bound_of(plan)

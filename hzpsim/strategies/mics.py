@@ -13,9 +13,12 @@ inter-node all-gather among ranks with the same local index, then an intra-node 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from hzpsim.hardware.topology import Topology
-from hzpsim.strategies import _family, _implementations
+from hzpsim.model import Model
+from hzpsim.model.training import Training
+from hzpsim.strategies import _family, _family_bound, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -43,3 +46,20 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build, resolve, label = _family.one_group_member(plan, "partition_size", "g")
+
+
+# ---------------------------------------------------------------------------- hzpsim search
+
+SEARCH_RANK = 40
+"""Where the search reports MiCS among the strategies (lowest first)."""
+
+
+def layouts(model: Model, training: Training, topology: Topology, space: Any) -> list[dict[str, Any]]:
+    """One per partition size the search tries (``_family.search_group_sizes``), with and,
+    for groups larger than a node, without the two-hop gather."""
+    node = _family.level_group_sizes(topology)["node"]
+    return [{"partition_size": g, "hierarchical_params_gather": h}
+            for g in _family.search_group_sizes(topology, space) for h in ((False, True) if g > node else (False,))]
+
+
+bound = _family_bound.bound_of(plan)

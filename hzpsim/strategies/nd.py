@@ -17,14 +17,14 @@ span tp x cp x dp ranks). Run with::
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from hzpsim.hardware.placement import Placement, expert_placement
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.ops import OpGraph
 from hzpsim.model.training import Training
-from hzpsim.strategies import _implementations, compose_label
+from hzpsim.strategies import Bound, BoundCache, _implementations, compose_label
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._model_parallel import MPUnit, UnitPass, merge_units, mp_units
 from hzpsim.strategies._sharded import Emitter, Ids, Schedule, Use, grad_norm
@@ -155,6 +155,60 @@ def layout(config: Config, model: Model, training: Training, topology: Topology)
 
 def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
     layout(config, model, training, topology)
+
+
+# ---------------------------------------------------------------------------- hzpsim search
+
+SEARCH_RANK = 10
+"""Where the search reports ND among the strategies (lowest first)."""
+
+
+def layouts(model: Model, training: Training, topology: Topology, space: Any) -> list[dict[str, Any]]:
+    """The search's ND layouts: every tp x pp x vpp x cp x ep x ZeRO stage x sequence
+    parallelism of ``space`` (interleaving only with pp > 1, sequence parallelism only with tp > 1)."""
+    out = []
+    for tp in space.tp:
+        for pp in space.pp:
+            for vpp in space.vpp:
+                if vpp > 1 and pp == 1:
+                    continue
+                for cp in space.cp:
+                    for ep in space.ep:
+                        for stage in space.zero_stage:
+                            if stage > 3:
+                                continue
+                            for sp in space.sequence_parallel:
+                                if sp and tp == 1:
+                                    continue
+                                out.append({"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep,
+                                            "zero_stage": stage, "sequence_parallel": sp})
+    return out
+
+
+def search_check(config: Config, model: Model, training: Training, topology: Topology) -> None:
+    """What the search skips although ``check`` lets it through: a model chunk without a layer
+    (an edge chunk holding only the embedding or the head)."""
+    layers = stage_layers(model.num_layers, config.pp, config.vpp, config.first_stage_layers,
+                          config.last_stage_layers)
+    if min(layers) == 0:
+        raise ValueError(f"vpp: {len(layers)} virtual stages for {model.num_layers} layers leave a stage empty")
+
+
+def bound(config: Config, model: Model, training: Training, topology: Topology, cache: BoundCache) -> Bound:
+    """Lower bounds on this layout's step time and peak memory (``_nd_bound``): the pipeline's
+    fill, each stage's work and the drain, at least durations."""
+    from hzpsim.strategies import _nd_bound  # it reads this module's layout and schedule
+
+    return _nd_bound.nd_bound(cache, config, training)
+
+
+def refine_bound(config: Config, model: Model, training: Training, topology: Topology,
+                 cache: BoundCache) -> Bound:
+    """:func:`bound` with the whole pipeline replayed, every stage's schedule against the
+    others' (for the few candidates the search is about to simulate)."""
+    from hzpsim.strategies import _nd_bound
+
+    return _nd_bound.nd_bound(cache, config, training, refine=True)
 
 
 def pipeline_actions(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:

@@ -19,10 +19,12 @@ Model states use the DeepSpeed/Megatron layout (bf16 working copy, ``grad_dtype`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from hzpsim.hardware.topology import Topology
-from hzpsim.strategies import _family, _implementations, compose_label
+from hzpsim.model import Model
+from hzpsim.model.training import Training
+from hzpsim.strategies import _family, _family_bound, _implementations, compose_label
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -57,6 +59,20 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build = _family.delegates(plan)
+
+
+# ---------------------------------------------------------------------------- hzpsim search
+
+SEARCH_RANK = 20
+"""Where the search reports ZeRO among the strategies (lowest first)."""
+
+
+def layouts(model: Model, training: Training, topology: Topology, space: Any) -> list[dict[str, Any]]:
+    """Stages 1, 2 and 3, those of ``space.zero_stage`` (all of them when it is empty)."""
+    return [{"stage": s} for s in (1, 2, 3) if s in space.zero_stage or not space.zero_stage]
+
+
+bound = _family_bound.bound_of(plan)
 
 
 def label(resolved: dict) -> str:

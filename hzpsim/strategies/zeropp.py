@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from hzpsim.hardware.topology import Topology
-from hzpsim.strategies import _family, _implementations, compose_label
+from hzpsim.model import Model
+from hzpsim.model.training import Training
+from hzpsim.strategies import _family, _family_bound, _implementations, compose_label
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -61,3 +64,18 @@ def resolve(config: Config, topology: Topology) -> Config:
 def label(resolved: dict) -> str:
     """A short name for tables."""
     return compose_label(resolved, {"hpz_partition_size": "hpz"})
+
+
+# ---------------------------------------------------------------------------- hzpsim search
+
+SEARCH_RANK = 50
+"""Where the search reports ZeRO++ among the strategies (lowest first)."""
+
+
+def layouts(model: Model, training: Training, topology: Topology, space: Any) -> list[dict[str, Any]]:
+    """hpZ off (1) and over a node."""
+    node = _family.level_group_sizes(topology)["node"]
+    return [{"hpz_partition_size": h} for h in sorted({1, node})]
+
+
+bound = _family_bound.bound_of(plan)

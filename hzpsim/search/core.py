@@ -1,0 +1,218 @@
+"""The branch and bound (:func:`search`) and what it returns (:class:`SearchResult`)."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hzpsim.scenario import Scenario
+from hzpsim.search.bounding import Bounder
+from hzpsim.search.runners import Runner
+from hzpsim.search.space import Candidate, Space, check, default_space, enumerate_candidates
+from hzpsim.search.space import families as all_families
+from hzpsim.strategies import Bound
+
+#: Candidates simulated per round of the branch and bound; fixed (not the worker count) so
+#: that every executor simulates the same candidates and reports the same counts.
+BATCH = 8
+
+
+@dataclass
+class Row:
+    """What became of one candidate."""
+
+    candidate: Candidate
+    status: str  # invalid | pruned_memory | pruned_bound | rejected | simulated | error | skipped
+    reason: str = ""
+    bound: Bound | None = None
+    report: dict[str, Any] | None = None
+
+    @property
+    def feasible(self) -> bool:
+        return self.report is not None and bool(self.report["fits_in_memory"])
+
+
+@dataclass
+class SearchResult:
+    scenario: Scenario
+    families: tuple[str, ...]
+    rows: list[Row]
+    top_n: int
+    wall_s: float
+    exact: bool  # False when --max-evals stopped the search before the bound did
+    exhaustive: bool = False
+    ranked: list[Row] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.ranked = sorted((r for r in self.rows if r.feasible), key=_rank)
+
+    @property
+    def best(self) -> Row | None:
+        return self.ranked[0] if self.ranked else None
+
+    def best_of(self, family: str) -> Row | None:
+        return next((r for r in self.ranked if r.candidate.name == family), None)
+
+    def count(self, *statuses: str) -> int:
+        return sum(r.status in statuses for r in self.rows)
+
+    def why_infeasible(self, family: str) -> str:
+        rows = [r for r in self.rows if r.candidate.name == family]
+        if not rows:
+            return "no candidates in the searched space"
+        if all(r.status == "invalid" for r in rows):
+            return f"every one of {len(rows)} candidates is invalid, e.g. {rows[0].reason}"
+        memory = [(r.report["peak_memory_bytes"] if r.report else (r.bound.memory_bytes if r.bound else math.inf), r)
+                  for r in rows if r.status in ("pruned_memory", "rejected", "simulated")]
+        if memory and all(r.status in ("invalid", "pruned_memory", "rejected", "simulated") for r in rows):
+            least, row = min(memory, key=lambda x: (x[0], x[1].candidate.key))
+            capacity = self.scenario.topology.device.memory_bytes
+            return (f"out of memory: the least hungry candidate ({row.candidate.label()}) needs at least "
+                    f"{least / 2**30:.1f} GiB of {capacity / 2**30:.1f} GiB")
+        skipped = sum(r.status == "skipped" for r in rows)
+        return f"not found within --max-evals ({skipped} candidates not evaluated)"
+
+    def to_json(self) -> dict[str, Any]:
+        """``{best, best_per_family, infeasible, top, num_candidates, num_simulated, num_pruned,
+        wall_s, ...}`` (docs/contract.md)."""
+        best = self.best
+        return {
+            "best": best.report if best else None,
+            "best_per_family": {f: (r.report if (r := self.best_of(f)) else None) for f in self.families},
+            "infeasible": {f: self.why_infeasible(f) for f in self.families if self.best_of(f) is None},
+            "top": [r.report for r in self.ranked[: self.top_n]],
+            "num_candidates": len(self.rows),
+            "num_simulated": self.count("simulated", "rejected", "error"),
+            "num_pruned": self.count("pruned_memory", "pruned_bound"),
+            "num_pruned_memory": self.count("pruned_memory"),
+            "num_pruned_bound": self.count("pruned_bound"),
+            "num_invalid": self.count("invalid"),
+            "num_skipped": self.count("skipped"),
+            "exact": self.exact,
+            "wall_s": self.wall_s,
+        }
+
+
+def _rank(row: Row) -> tuple[float, str]:
+    assert row.report is not None
+    return (row.report["step_time_s"], row.candidate.key)
+
+
+def search(scenario: Scenario, families: Sequence[str] | None = None, top: int = 10,
+           max_evals: int | None = None, space: Space | None = None, runner: Runner | None = None,
+           progress: bool = False, exhaustive: bool = False) -> SearchResult:
+    """Branch and bound over the space (``hzpsim.search``'s docstring) of ``families`` (None:
+    every strategy, :func:`~hzpsim.search.space.families`). ``exhaustive`` simulates every
+    valid candidate (no pruning; for checking the search)."""
+    start = time.perf_counter()
+    families = tuple(families or all_families())
+    space = space or default_space(scenario)
+    runner = runner or Runner()
+    capacity = scenario.topology.device.memory_bytes
+    rows: list[Row] = []
+    alive: list[Row] = []
+    bounder = Bounder(scenario)
+    checked: dict[tuple, str | None] = {}  # plugins' checks do not look at the recompute mode
+    candidates = enumerate_candidates(scenario, families, space)
+    first = _progress(len(candidates), progress, "hzpsim search: bounding")
+    for index, candidate in enumerate(candidates):
+        if first is not None and index % 256 == 0:
+            first.update(min(256, len(candidates) - index))
+        layout_key = (candidate.name, candidate.fields, candidate.micro_batch_size)
+        if layout_key not in checked:
+            checked[layout_key] = check(scenario, candidate)
+        reason = checked[layout_key]
+        if reason is not None:
+            rows.append(Row(candidate, "invalid", reason))
+            continue
+        b = bounder(candidate)
+        row = Row(candidate, "alive", bound=b)
+        rows.append(row)
+        if b.memory_bytes > capacity and not exhaustive:
+            row.status = "pruned_memory"
+            row.reason = f"needs at least {b.memory_bytes / 2**30:.1f} GiB of {capacity / 2**30:.1f} GiB"
+            continue
+        alive.append(row)
+    alive.sort(key=lambda r: (r.bound.step_time_s, r.candidate.key))  # type: ignore[union-attr]
+    if first is not None:
+        first.close()
+
+    feasible_steps: list[float] = []  # sorted
+    family_best: dict[str, float] = {}
+    evals = 0
+    exact = True
+    bar = _progress(len(alive), progress, "hzpsim search: simulating")
+    i = 0
+    try:
+        while i < len(alive):
+            batch: list[Row] = []
+            while i < len(alive) and len(batch) < BATCH:
+                row = alive[i]
+                i += 1
+                lb = row.bound.step_time_s  # type: ignore[union-attr]
+                threshold = max(feasible_steps[top - 1] if len(feasible_steps) >= top else math.inf,
+                                family_best.get(row.candidate.name, math.inf))
+                if not exhaustive and lb <= threshold and bounder.refines(row.candidate):
+                    row.bound = bounder(row.candidate, refine=True)  # worth it for the few about to run
+                    lb = row.bound.step_time_s
+                if exhaustive or lb <= threshold:
+                    if max_evals is not None and evals >= max_evals:
+                        row.status, row.reason = "skipped", "not evaluated (--max-evals)"
+                        exact = False
+                        continue
+                    batch.append(row)
+                    evals += 1
+                else:
+                    row.status = "pruned_bound"
+                    row.reason = f"cannot beat {threshold:.3f} s: at least {lb:.3f} s" + _bound_parts(row.bound)
+                if bar is not None:
+                    bar.update(1)
+            if not batch:
+                continue
+            for row, result in zip(batch, runner.map([(scenario, r.candidate) for r in batch])):
+                if "report" in result:
+                    row.status, row.report = "simulated", result["report"]
+                    assert row.report is not None
+                    if row.report["fits_in_memory"]:
+                        step = row.report["step_time_s"]
+                        feasible_steps.append(step)
+                        feasible_steps.sort()
+                        family_best[row.candidate.name] = min(family_best.get(row.candidate.name, math.inf), step)
+                    else:
+                        row.reason = (f"out of memory: peak {row.report['peak_memory_bytes'] / 2**30:.1f} GiB of "
+                                      f"{capacity / 2**30:.1f} GiB")
+                elif "rejected" in result:
+                    row.status, row.reason = "rejected", "out of memory: " + result["rejected"]
+                else:
+                    row.status, row.reason = "error", result["error"]
+    finally:
+        if bar is not None:
+            bar.close()
+    return SearchResult(scenario, families, rows, top, time.perf_counter() - start, exact, exhaustive)
+
+
+def _bound_parts(b: Bound | None) -> str:
+    if b is None:
+        return ""
+    parts = [f"compute {b.compute_s - b.comm_s:.2f} s"]
+    if b.comm_s:
+        parts.append(f"exposed TP/EP {b.comm_s:.2f} s")
+    if b.bubble_s:
+        parts.append(f"bubble {b.bubble_s:.2f} s")
+    if b.link_s:
+        parts.append(f"link traffic {b.link_s:.2f} s")
+    return " (" + ", ".join(parts) + f"; limited by {b.limited_by})"
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled or total == 0:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=desc, unit="cand", file=sys.stderr, leave=False)

@@ -125,3 +125,10 @@ check, build = _family.delegates(plan)
 def label(resolved: dict) -> str:
     """A short name for tables."""
     return compose_label(resolved, {"tp": "tp", "cp": "cp", "ep": "ep"})
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 40
+COLOR = "#da8bc3"
+DEFAULT_RUNS: tuple[dict, ...] = ({}, {"adaptive": True})

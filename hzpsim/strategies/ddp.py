@@ -33,3 +33,10 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build = _family.delegates(plan)
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 80
+COLOR = "#8c8c8c"
+STAND_INS: tuple[dict, ...] = ({},)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hzpsim.hardware.topology import Topology
-from hzpsim.strategies import _family, _implementations
+from hzpsim.strategies import PublishedRun, _family, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -39,3 +39,21 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build, resolve, label = _family.one_group_member(plan, "shard_group_size", "g")
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 20
+COLOR = "#55a868"
+DEFAULT_RUNS: tuple[dict, ...] = ({},)
+FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed", "torchtitan": "fsdp2", "fsdp": "fsdp1", "fairscale": "fsdp1"}
+VALIDATION_REGIMES = {"": "HSDP"}
+
+
+def from_published(run: PublishedRun) -> tuple[dict, list[str]]:
+    """A published FSDP run whose sharding group is smaller than its data-parallel group
+    (zero.from_published hands it over)."""
+    sg = run.sharding_group
+    if sg is None or run.dp % sg:
+        raise ValueError(f"sharding_group: {sg} does not divide dp {run.dp}")
+    return {"name": "hsdp", "shard_group_size": sg}, []

@@ -43,3 +43,9 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build, resolve, label = _family.one_group_member(plan, "shard_group_size", "g")
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 70
+COLOR = "#937860"

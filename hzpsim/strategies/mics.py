@@ -43,3 +43,11 @@ def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
 
 
 check, build, resolve, label = _family.one_group_member(plan, "partition_size", "g")
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 50
+COLOR = "#c44e52"
+FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed"}
+VALIDATION_REGIMES = {"deepspeed": "DeepSpeed ZeRO", "": "FSDP/ZeRO-3"}

@@ -18,7 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from hzpsim.hardware.topology import Topology
-from hzpsim.strategies import _family, _implementations, compose_label
+from hzpsim.strategies import PublishedRun, _family, _implementations, compose_label
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -61,3 +61,24 @@ def resolve(config: Config, topology: Topology) -> Config:
 def label(resolved: dict) -> str:
     """A short name for tables."""
     return compose_label(resolved, {"hpz_partition_size": "hpz"})
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 60
+COLOR = "#8172b2"
+PUBLISHED_FAMILIES: dict[str, tuple[str, ...]] = {"zeropp": ()}
+FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed"}
+VALIDATION_REGIMES = {"deepspeed": "DeepSpeed ZeRO", "": "FSDP/ZeRO-3"}
+
+
+def from_published(run: PublishedRun) -> tuple[dict, list[str]]:
+    """ZeRO++ = ZeRO-3 + qwZ (int8 weight all-gather) + hpZ (secondary bf16 copy of the weights
+    sharded inside one node: the paper's secondary group) + qgZ (int4 hierarchical gradient
+    reduce-scatter)."""
+    return {
+        "name": "zeropp",
+        "hpz_partition_size": run.gpus_per_node,
+        "quantized_weights": True,
+        "quantized_gradients": True,
+    }, []

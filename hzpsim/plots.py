@@ -28,8 +28,16 @@ _CATEGORY_COLORS = {
 }
 _MEMORY_COLORS = {"params": "#4c72b0", "grads": "#c44e52", "optimizer": "#8172b2", "activations": "#55a868",
                   "buffers": "#dd8452", "other": "#8c8c8c"}
-_FAMILY_COLORS = {"nd": "#4c72b0", "zero": "#dd8452", "hsdp": "#55a868", "mics": "#c44e52", "zeropp": "#8172b2",
-                  "megatron_fsdp": "#937860", "asynchzp": "#da8bc3", "ddp": "#8c8c8c"}
+# strategies take their plugin's COLOR (hzpsim.strategies.color); published-run families
+# (hzpsim.strategies.published_families(), in that order) take these in turn
+_PUBLISHED_COLORS = ("#55a868", "#c44e52", "#dd8452", "#4c72b0", "#8172b2", "#937860", "#da8bc3", "#8c8c8c",
+                     "#ccb974", "#64b5cd")
+
+
+def published_family_colors() -> dict[str, str]:
+    """The colour of each published-run family (the CSV's ``strategy_family``) in figures."""
+    families = strategies.published_families()
+    return {f: _PUBLISHED_COLORS[i % len(_PUBLISHED_COLORS)] for i, f in enumerate(families)}
 
 
 def _figure(ax, size: tuple[float, float]):
@@ -109,7 +117,7 @@ def comparison(reports: Sequence[dict[str, Any]], metric: str = "tokens_per_s_pe
     layouts that do not fit in memory are hatched and say so."""
     frame = frames.reports_frame(reports)
     fig, ax = _figure(ax, (8, 0.42 * len(frame) + 1.2))
-    colors = [_FAMILY_COLORS.get(s, "#4c72b0") for s in frame["strategy"]]
+    colors = [strategies.color(s) for s in frame["strategy"]]
     bars = ax.barh(range(len(frame)), frame[metric], color=colors)
     for bar, fits in zip(bars, frame["fits_in_memory"]):
         if not fits:
@@ -167,7 +175,7 @@ def search_landscape(result, ax=None):
                    linewidths=0.6, label=f"pruned by a bound ({len(pruned):,})")
     sim = frame[frame["status"] == "simulated"]
     for family, group in sim.groupby("family", sort=False):
-        color = _FAMILY_COLORS.get(str(family), "#333333")
+        color = strategies.color(str(family), "#333333")
         fits = group[group["fits_in_memory"].astype(bool)]
         oom = group[~group["fits_in_memory"].astype(bool)]
         ax.scatter(fits["peak_memory_gib"], fits["tokens_per_s"], s=22, color=color, label=f"{family}")
@@ -208,7 +216,7 @@ def predicted_vs_measured(frame: pd.DataFrame, ax=None):
     rows (status ok), by CSV family, with the y = x line and ±25 % bands."""
     ok = frame[(frame["status"] == "ok") & frame["meas_tokens_per_s_per_gpu"].notna()]
     fig, ax = _figure(ax, (6.5, 5.5))
-    colors = {"nd": "#4c72b0", "fsdp": "#55a868", "zero3": "#dd8452", "zeropp": "#8172b2", "zero2": "#c44e52"}
+    colors = published_family_colors()
     for family, group in ok.groupby("family"):
         ax.scatter(group["meas_tokens_per_s_per_gpu"], group["pred_tokens_per_s_per_gpu"], s=18,
                    color=colors.get(str(family), "#333333"), label=f"{family} ({len(group)})")

@@ -78,15 +78,8 @@ DEFAULT_SCENARIO: dict[str, Any] = {
         "activation_recompute": "full",
     },
     "cluster": {"preset": "dgx-h100", "num_nodes": 8},
-    "strategies": [
-        {"name": "zero", "stage": 1},
-        {"name": "zero", "stage": 2},
-        {"name": "zero", "stage": 3},
-        {"name": "hsdp"},
-        {"name": "nd", "tp": 8, "pp": 4, "sequence_parallel": True, "zero_stage": 1},
-        {"name": "asynchzp"},
-        {"name": "asynchzp", "adaptive": True},
-    ],
+    # every plugin's DEFAULT_RUNS, by ORDER: ZeRO 1/2/3, HSDP, ND (tp 8, pp 4), AsyncHZP (+ adaptive)
+    "strategies": strategies.default_runs(),
 }
 
 _TOP_KEYS = ("name", "model", "training", "cluster", "strategy", "strategies")

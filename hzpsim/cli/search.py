@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hzpsim import search
+from hzpsim import search, strategies
 from hzpsim.cli.options import (
     add_profile,
     add_scenario,
@@ -63,8 +63,7 @@ def load_search_scenario(path: str | None, overrides: Sequence[str]) -> Scenario
         raise ScenarioError(f"{path}: a scenario must be a mapping")
     base = {k: v for k, v in document.items() if k not in ("strategy", "strategies")}
     kept = [o for o in overrides if not o.split("=", 1)[0].strip().startswith(("strategy.", "strategies."))]
-    placeholders: list[Any] = [{"name": "ddp"}, {"name": "zero", "stage": 3}]
-    placeholders += [{"name": "nd", "pp": p} for p in (2, 4, 8, 16, 32, 64)]
+    placeholders: list[Any] = strategies.stand_ins()
     first: ScenarioError | None = None
     for placeholder in placeholders:
         try:

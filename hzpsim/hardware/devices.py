@@ -461,7 +461,7 @@ _MEASURED_FIELDS: dict[str, Any] = {
     "memory_bytes": "memory_bytes", "kernel_launch_s": "kernel_launch_s", "collective_call_s": "collective_call_s",
     "collective_hop_delay_s": "collective_hop_delay_s", "node_cpu_cores": "node_cpu_cores",
     "fsdp2_call_host_s": ("fsdp2", "call_s"), "dtensor_op_host_s": ("dtensor", "op_s"),
-    "asynchzp_op_host_s": ("asynchzp", "op_s"),
+    "asynchzp_op_host_s": ("hzpsim-executor", "op_s"),
 }
 
 

@@ -9,6 +9,8 @@ entry-point group by another package) that exposes:
 - ``build(config, model, training, topology, expand=False) -> OpGraph``;
 - optionally ``label(resolved) -> str``: a short name for tables, from the resolved config
   (``compose_label`` does the usual ``name(field=value,...)``); without it, the name.
+- optionally the attributes the rest of hzpsim asks a plugin for (order, colour, default runs,
+  published-run mapping, ...), listed and read at the end of this module.
 
 What ``hzpsim search`` asks of a plugin, all optional (docs/adding-a-strategy.md, "Search"):
 
@@ -35,8 +37,12 @@ with an underscore hold shared emitters and are not strategies.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from types import ModuleType
 from typing import Any
@@ -99,3 +105,126 @@ def label(resolved: dict[str, Any]) -> str:
     """A short name for tables of the strategy ``resolved`` (a report's ``strategy_resolved``)."""
     plugin = get(resolved["name"])
     return plugin.label(resolved) if hasattr(plugin, "label") else resolved["name"]
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks a plugin
+#
+# Besides Config, check and build, a plugin may declare (read through the functions below, so
+# that code outside this package never spells a strategy's name; each has a default):
+#
+# - ``ORDER: int``: where it stands in lists (the default comparison, published families,
+#   figure legends), low first (default 1000, then by name);
+# - ``COLOR: str``: its colour in figures (default ``DEFAULT_COLOR``);
+# - ``DEFAULT_RUNS: tuple[dict, ...]``: its entries (fields, name left out) in the comparison
+#   of the built-in default scenario (llama2-70b on 8 DGX H100 nodes) (default none);
+# - ``STAND_INS: tuple[dict, ...]``: layouts (fields, name left out) that may stand in for a
+#   scenario's strategies while only its model, training and cluster matter (a search's base
+#   scenario), simplest first (default none);
+# - ``PUBLISHED_FAMILIES: dict[str, tuple[str, ...]]``: the published-run table's
+#   ``strategy_family`` values the plugin maps (``hzpsim.validation.mapping``), each with the
+#   layout columns such a row must give; with ``from_published(run: PublishedRun) ->
+#   (scenario strategy mapping, notes)``, which raises ``ValueError("<column>: <problem>")``
+#   for a row it cannot map (default none);
+# - ``FRAMEWORK_IMPLEMENTATIONS: dict[str, str]``: framework keyword of a published run's
+#   ``system`` column -> the implementation profile (``_implementations.py``) it runs this
+#   strategy as, where that is not the framework's usual one (default none);
+# - ``VALIDATION_REGIMES: dict[str, str]``: implementation-profile prefix -> the validation
+#   regime (``hzpsim.validation.regimes.REGIMES``) of a published run of it, first match
+#   (default none).
+
+DEFAULT_ORDER = 1000
+DEFAULT_COLOR = "#4c72b0"
+
+
+@functools.lru_cache(maxsize=4)
+def _modules(names: tuple[str, ...]) -> dict[str, ModuleType]:
+    return {name: get(name) for name in names}
+
+
+def plugins() -> dict[str, ModuleType]:
+    """Every strategy's plugin module by name, sorted by name (imported once per set of names)."""
+    return _modules(tuple(available()))
+
+
+def declared(name: str, attribute: str, default: Any = None) -> Any:
+    """The plugin ``name``'s ``attribute`` (see above); ``default`` when it declares none or
+    when there is no strategy ``name``."""
+    plugin = plugins().get(name)
+    return default if plugin is None else getattr(plugin, attribute, default)
+
+
+def ordered() -> list[str]:
+    """Every strategy's name, by ``ORDER`` then by name."""
+    modules = plugins()
+    return sorted(modules, key=lambda name: (getattr(modules[name], "ORDER", DEFAULT_ORDER), name))
+
+
+def color(name: str, default: str = DEFAULT_COLOR) -> str:
+    """The figure colour of the strategy ``name`` (``default`` for a plugin without one, or a
+    name that is no strategy)."""
+    return declared(name, "COLOR", default)
+
+
+def _each(attribute: str, default: Any) -> list[tuple[str, Any]]:
+    """(name, declared ``attribute``) of every strategy, by ``ORDER``."""
+    modules = plugins()
+    return [(name, getattr(modules[name], attribute, default)) for name in ordered()]
+
+
+def default_runs() -> list[dict[str, Any]]:
+    """The built-in default scenario's ``strategies:`` list: every plugin's ``DEFAULT_RUNS``."""
+    return [{"name": name, **fields} for name, runs in _each("DEFAULT_RUNS", ()) for fields in runs]
+
+
+def stand_ins() -> list[dict[str, Any]]:
+    """Strategy mappings that may stand in for a scenario's strategies (``STAND_INS``), simplest
+    first (fewest fields, then by ``ORDER``): try each until the scenario loads."""
+    found = [{"name": name, **fields} for name, runs in _each("STAND_INS", ()) for fields in runs]
+    return sorted(found, key=len)
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """A published training run's layout, as one row of a published-run table
+    (``hzpsim/data/published_calibration.csv``) states it, for a plugin's ``from_published``."""
+
+    family: str
+    """The row's ``strategy_family`` (one of the plugin's ``PUBLISHED_FAMILIES``)."""
+    system: str
+    """The framework that ran it (the ``system`` column), lower case."""
+    gpus_per_node: int
+    """Devices per node of the mapped cluster."""
+    tp: int
+    """Tensor-parallel size (1 when not given; likewise pp, cp, ep)."""
+    pp: int
+    cp: int
+    ep: int
+    dp: int
+    """Data-parallel size, given or n_gpus / (tp x pp x cp)."""
+    zero_stage: int | None
+    """The ``zero_stage`` column; None when not given."""
+    sharding_group: int | None
+    """Ranks of one sharding group (the ``sharding_group`` column); None when not a number."""
+    sequence_parallel: bool
+    """Sequence parallelism is on (stated, or the framework's default for tp > 1)."""
+    column: Callable[[str], int | None]
+    """Any other whole-number column of the row (None when blank)."""
+
+    def mapped_by(self, name: str, **changes: Any) -> tuple[dict[str, Any], list[str]]:
+        """This run (with ``changes``) as the plugin ``name`` maps it: a plugin hands a row over
+        to another (FSDP composed with TP is ND)."""
+        return get(name).from_published(dataclasses.replace(self, **changes))
+
+
+def published_families() -> list[str]:
+    """Every ``strategy_family`` of the published-run table some plugin maps, by ``ORDER``."""
+    return [family for _, families in _each("PUBLISHED_FAMILIES", {}) for family in families]
+
+
+def published_owner(family: str) -> tuple[ModuleType, tuple[str, ...]] | None:
+    """The plugin that maps published rows of ``strategy_family`` ``family`` and the layout
+    columns such a row must give; None when no plugin maps it."""
+    for name, families in _each("PUBLISHED_FAMILIES", {}):
+        if family in families:
+            return plugins()[name], tuple(families[family])
+    return None

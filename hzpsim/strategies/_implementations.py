@@ -134,7 +134,7 @@ class Implementation:
     dispatched op the device's measured ``op_s`` instead of ``kernel_launch_s``
     (``torch/distributed/tensor/_dispatch.py::OpDispatcher.dispatch``: sharding propagation
     and redistribution in Python before each local op, and ``parallel/style.py``'s module
-    hooks; the executor's ND runs DTensor TP); ``"asynchzp"`` charges every op the device's
+    hooks; the executor's ND runs DTensor TP); ``"hzpsim-executor"`` charges every op the device's
     measured ``op_s`` (hzpsim's own AsyncHZP executor: ``executor/asynchzp.py``'s
     saved-tensor hooks, buffer-ring copies and the Python of its ag / rs / dp threads, which
     share the GIL and the core with the training thread)."""
@@ -285,7 +285,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "_fsdp_state.py::FSDPState._pre_forward (no unshard during the recompute)",
     ),
     "reference": Implementation(
-        name="reference", calls_from_comm_threads=True, framework_host="asynchzp",
+        name="reference", calls_from_comm_threads=True, framework_host="hzpsim-executor",
         source="hzpsim's own AsyncHZP executor (hzpsim/executor): one flat all_gather_into_tensor and "
                "reduce_scatter_tensor per unit from background threads into pre-allocated buffers",
     ),

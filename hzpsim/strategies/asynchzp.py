@@ -142,3 +142,10 @@ def layouts(model: Model, training: Training, topology: Topology, space: Any) ->
 
 
 bound = _family_bound.bound_of(plan)
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 40
+COLOR = "#da8bc3"
+DEFAULT_RUNS: tuple[dict, ...] = ({}, {"adaptive": True})

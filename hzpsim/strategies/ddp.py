@@ -42,3 +42,10 @@ SEARCH_RANK = 80
 
 # no ``layouts``: the search's default, one layout (the Config's defaults)
 bound = _family_bound.bound_of(plan)
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 80
+COLOR = "#8c8c8c"
+STAND_INS: tuple[dict, ...] = ({},)

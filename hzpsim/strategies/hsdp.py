@@ -16,7 +16,7 @@ from typing import Any
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
-from hzpsim.strategies import _family, _family_bound, _implementations
+from hzpsim.strategies import PublishedRun, _family, _family_bound, _implementations
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -56,3 +56,21 @@ def layouts(model: Model, training: Training, topology: Topology, space: Any) ->
 
 
 bound = _family_bound.bound_of(plan)
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 20
+COLOR = "#55a868"
+DEFAULT_RUNS: tuple[dict, ...] = ({},)
+FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed", "torchtitan": "fsdp2", "fsdp": "fsdp1", "fairscale": "fsdp1"}
+VALIDATION_REGIMES = {"": "HSDP"}
+
+
+def from_published(run: PublishedRun) -> tuple[dict, list[str]]:
+    """A published FSDP run whose sharding group is smaller than its data-parallel group
+    (zero.from_published hands it over)."""
+    sg = run.sharding_group
+    if sg is None or run.dp % sg:
+        raise ValueError(f"sharding_group: {sg} does not divide dp {run.dp}")
+    return {"name": "hsdp", "shard_group_size": sg}, []

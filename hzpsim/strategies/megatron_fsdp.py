@@ -62,3 +62,9 @@ def layouts(model: Model, training: Training, topology: Topology, space: Any) ->
 
 
 bound = _family_bound.bound_of(plan)
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 70
+COLOR = "#937860"

@@ -63,3 +63,11 @@ def layouts(model: Model, training: Training, topology: Topology, space: Any) ->
 
 
 bound = _family_bound.bound_of(plan)
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 50
+COLOR = "#c44e52"
+FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed"}
+VALIDATION_REGIMES = {"deepspeed": "DeepSpeed ZeRO", "": "FSDP/ZeRO-3"}

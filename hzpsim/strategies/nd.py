@@ -24,7 +24,7 @@ from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.ops import OpGraph
 from hzpsim.model.training import Training
-from hzpsim.strategies import Bound, BoundCache, _implementations, compose_label
+from hzpsim.strategies import Bound, BoundCache, PublishedRun, _implementations, compose_label
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._model_parallel import MPUnit, UnitPass, merge_units, mp_units
 from hzpsim.strategies._sharded import Emitter, Ids, Schedule, Use, grad_norm
@@ -453,3 +453,36 @@ class _Stage:
 def label(resolved: dict) -> str:
     """A short name for tables."""
     return compose_label(resolved, {"zero_stage": "zero", "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vpp": "vpp"})
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 30
+COLOR = "#4c72b0"
+DEFAULT_RUNS = ({"tp": 8, "pp": 4, "sequence_parallel": True, "zero_stage": 1},)
+STAND_INS = tuple({"pp": p} for p in (2, 4, 8, 16, 32, 64))
+PUBLISHED_FAMILIES = {"nd": ("tp", "pp")}
+FRAMEWORK_IMPLEMENTATIONS = {"megatron": "megatron-2021"}  # Megatron-LM before Megatron-Core
+VALIDATION_REGIMES = {"": "Megatron ND"}
+
+
+def from_published(run: PublishedRun) -> tuple[dict, list[str]]:
+    """A published ND run (or FSDP composed with model parallelism, from zero)."""
+    notes: list[str] = []
+    zs = run.zero_stage
+    if zs is None:
+        # Megatron-Core / NeMo / Megatron-Bridge recipes use the distributed optimizer
+        zs = 1 if any(k in run.system for k in ("megatron-core", "nemo", "megatron-bridge")) else 0
+        notes.append(f"zero_stage blank -> {zs} ({'distributed optimizer, NeMo/MCore default' if zs else 'plain DP'})")
+    vpp = run.column("vpp") or 1
+    return {
+        "name": "nd",
+        "tp": run.tp,
+        "pp": run.pp,
+        "dp": run.dp,
+        "cp": run.cp,
+        "ep": run.ep,
+        "vpp": vpp,
+        "zero_stage": zs,
+        "sequence_parallel": run.sequence_parallel,
+    }, notes

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
-from hzpsim.strategies import _family, _family_bound, _implementations, compose_label
+from hzpsim.strategies import PublishedRun, _family, _family_bound, _implementations, compose_label
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -78,3 +78,33 @@ bound = _family_bound.bound_of(plan)
 def label(resolved: dict) -> str:
     """A short name for tables."""
     return compose_label(resolved, {"stage": "stage"})
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 10
+COLOR = "#dd8452"
+DEFAULT_RUNS = ({"stage": 1}, {"stage": 2}, {"stage": 3})
+STAND_INS = ({"stage": 3},)
+PUBLISHED_FAMILIES: dict[str, tuple[str, ...]] = {"fsdp": (), "zero2": (), "zero3": ()}
+FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed", "torchtitan": "fsdp2", "fsdp": "fsdp1", "fairscale": "fsdp1"}
+VALIDATION_REGIMES = {"deepspeed": "DeepSpeed ZeRO", "": "FSDP/ZeRO-3"}
+
+
+def from_published(run: PublishedRun) -> tuple[dict, list[str]]:
+    """A published FSDP / ZeRO-3 / ZeRO-2 run: ZeRO at its stage (FSDP: 3 unless the row says 2);
+    composed with TP/PP/CP/EP it is ND with that ZeRO stage, and with a sharding group smaller
+    than the data-parallel group it is HSDP."""
+    stage = 2 if run.family == "zero2" else (run.zero_stage if run.zero_stage in (2, 3) else 3)
+    if run.tp > 1 or run.pp > 1 or run.cp > 1 or run.ep > 1:
+        # FSDP composed with TP/PP/CP (metaseq, Megatron-FSDP + TP, ...)
+        mapping, notes = run.mapped_by("nd", zero_stage=stage)
+        return mapping, [f"FSDP with tp/pp/cp > 1 -> nd with zero_stage {stage}", *notes]
+    if run.sharding_group is not None and run.sharding_group < run.dp:
+        return run.mapped_by("hsdp")
+    s: dict = {"name": "zero", "stage": stage}
+    if "fsdp" in run.system and stage == 2:
+        # FSDP SHARD_GRAD_OP gathers each unit just before its forward (with
+        # prefetch), not all at once after the optimizer as DeepSpeed stage 2
+        s["overlap_param_gather"] = True
+    return s, []

@@ -21,7 +21,7 @@ from typing import Any
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
-from hzpsim.strategies import _family, _family_bound, _implementations, compose_label
+from hzpsim.strategies import PublishedRun, _family, _family_bound, _implementations, compose_label
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -79,3 +79,24 @@ def layouts(model: Model, training: Training, topology: Topology, space: Any) ->
 
 
 bound = _family_bound.bound_of(plan)
+
+
+# ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)
+
+ORDER = 60
+COLOR = "#8172b2"
+PUBLISHED_FAMILIES: dict[str, tuple[str, ...]] = {"zeropp": ()}
+FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed"}
+VALIDATION_REGIMES = {"deepspeed": "DeepSpeed ZeRO", "": "FSDP/ZeRO-3"}
+
+
+def from_published(run: PublishedRun) -> tuple[dict, list[str]]:
+    """ZeRO++ = ZeRO-3 + qwZ (int8 weight all-gather) + hpZ (secondary bf16 copy of the weights
+    sharded inside one node: the paper's secondary group) + qgZ (int4 hierarchical gradient
+    reduce-scatter)."""
+    return {
+        "name": "zeropp",
+        "hpz_partition_size": run.gpus_per_node,
+        "quantized_weights": True,
+        "quantized_gradients": True,
+    }, []

@@ -25,8 +25,9 @@ from hzpsim.validation.cells import RowSkipped, blank, cell_text, need_whole, nu
 from hzpsim.validation.families import family_of
 from hzpsim.validation.measured import measured_values
 
-STRATEGY_FAMILIES = ("nd", "fsdp", "zero2", "zero3", "zeropp")
-"""Values of the CSV's ``strategy_family`` column that :func:`map_strategy` knows."""
+STRATEGY_FAMILIES = tuple(strategies.published_families())
+"""Values of the CSV's ``strategy_family`` column that :func:`map_strategy` knows: every
+plugin's ``PUBLISHED_FAMILIES`` (fsdp, zero2, zero3, nd, zeropp)."""
 
 
 @dataclass(frozen=True)
@@ -292,38 +293,51 @@ def _grad_dtype(row: dict[str, Any]) -> str | None:
     return None  # schema default fp32
 
 
+# Framework keywords of the ``system`` column, first match wins, and the implementation profile
+# each runs any strategy as; a plugin's FRAMEWORK_IMPLEMENTATIONS overrides (DeepSpeed and FSDP
+# run only the sharded strategies that declare them; torchtitan runs FSDP2 for ZeRO/HSDP;
+# plain Megatron-LM is megatron-2021 for ND).
+_FRAMEWORKS = ("deepspeed", "torchtitan", "fsdp", "fairscale", "megatron-core", "nemo", "megatron-bridge", "megatron")
+_FRAMEWORK_DEFAULTS = {
+    "torchtitan": "torchtitan",
+    "megatron-core": "megatron-core", "nemo": "megatron-core", "megatron-bridge": "megatron-core",
+    # the Megatron-DeepSpeed fork (and Megatron-LM before the overlapped distributed optimizer,
+    # 2021-2022 papers): gradients all-reduced after the backward
+    "megatron": "deepspeed",
+}
+
+
 def map_implementation(row: dict[str, Any], strategy: str) -> tuple[str, list[str]]:
     """The implementation profile (``hzpsim.strategies._implementations``) the row's framework
-    ran, from its ``system`` and, for Megatron-LM, the date of its source."""
+    ran, from its ``system`` (and the strategy's ``FRAMEWORK_IMPLEMENTATIONS``) and, for
+    DeepSpeed, the date of its source."""
     system = cell_text(row, "system").lower()
     ref = cell_text(row, "source_ref")
-    if "deepspeed" in system and strategy in ("zero", "zeropp", "hsdp", "mics"):
-        # the coalesced ZeRO-3 arrived in DeepSpeed v0.6.0 (2022-01); the 2021 offload post predates it
-        old = "2021" in ref or any(f"0.{v}." in system for v in range(6))
-        impl = "deepspeed-2021" if old else "deepspeed"
-    elif "torchtitan" in system:
-        impl = "fsdp2" if strategy in ("zero", "hsdp") else "torchtitan"
-    elif "fsdp" in system and strategy in ("zero", "hsdp") or "fairscale" in system and strategy in ("zero", "hsdp"):
-        impl = "fsdp1"
-    elif any(k in system for k in ("megatron-core", "nemo", "megatron-bridge")):
-        impl = "megatron-core"
-    elif "megatron" in system:
-        # Megatron-LM before the overlapped distributed optimizer (2021-2022 papers) and the
-        # Megatron-DeepSpeed fork: gradients all-reduced after the backward
-        impl = "megatron-2021" if strategy == "nd" else "deepspeed"
-    else:
-        impl = _implementations.DEFAULTS[strategy]
-        return impl, [f"implementation: {impl} (the strategy's default; system {system!r} not recognised)"]
-    return impl, []  # read off the system column (docs/validation.md §2), not assumed
+    own = strategies.declared(strategy, "FRAMEWORK_IMPLEMENTATIONS", {})
+    for framework in _FRAMEWORKS:
+        impl = own.get(framework, _FRAMEWORK_DEFAULTS.get(framework)) if framework in system else None
+        if impl is None:
+            continue
+        if framework == "deepspeed" and impl == "deepspeed":
+            # the coalesced ZeRO-3 arrived in DeepSpeed v0.6.0 (2022-01); the 2021 offload post predates it
+            old = "2021" in ref or any(f"0.{v}." in system for v in range(6))
+            impl = "deepspeed-2021" if old else "deepspeed"
+        return impl, []  # read off the system column (docs/validation.md §2), not assumed
+    impl = _implementations.DEFAULTS[strategy]
+    return impl, [f"implementation: {impl} (the strategy's default; system {system!r} not recognised)"]
 
 
 def map_strategy(row: dict[str, Any], n_gpus: int, gpus_per_node: int) -> tuple[dict[str, Any], list[str]]:
+    """The ``strategy:`` mapping of a row: the layout columns read here, the strategy chosen by
+    the plugin that maps the row's ``strategy_family`` (its ``from_published``)."""
     family = cell_text(row, "strategy_family")
     notes: list[str] = []
     system = cell_text(row, "system").lower()
     tp, pp, cp, ep = (whole(row, c, 1) or 1 for c in ("tp", "pp", "cp", "ep"))
-    if family == "nd" and (blank(row.get("tp")) or blank(row.get("pp"))):
-        raise RowSkipped(f"{'tp' if blank(row.get('tp')) else 'pp'}: not given (parallel layout unknown)")
+    owner = strategies.published_owner(family)
+    for column in owner[1] if owner else ():
+        if blank(row.get(column)):
+            raise RowSkipped(f"{column}: not given (parallel layout unknown)")
     dp = whole(row, "dp")
     if dp is None:
         if n_gpus % (tp * pp * cp):
@@ -333,53 +347,18 @@ def map_strategy(row: dict[str, Any], n_gpus: int, gpus_per_node: int) -> tuple[
     if tp * pp * cp * dp != n_gpus:
         raise RowSkipped(f"dp: tp*pp*cp*dp = {tp * pp * cp * dp} != n_gpus {n_gpus}")
     zs = whole(row, "zero_stage")
-    if family in ("fsdp", "zero3", "zero2"):
-        stage = 2 if family == "zero2" else (zs if zs in (2, 3) else 3)
-        if tp > 1 or pp > 1 or cp > 1 or ep > 1:
-            family = "nd"  # FSDP composed with TP/PP/CP (metaseq, Megatron-FSDP + TP, ...)
-            zs = stage
-            notes.append(f"FSDP with tp/pp/cp > 1 -> nd with zero_stage {stage}")
-        else:
-            sg_text = cell_text(row, "sharding_group")
-            sg = int(sg_text) if sg_text.isdigit() else None
-            if sg is not None and sg < dp:
-                if dp % sg:
-                    raise RowSkipped(f"sharding_group: {sg} does not divide dp {dp}")
-                return {"name": "hsdp", "shard_group_size": sg}, notes
-            s: dict[str, Any] = {"name": "zero", "stage": stage}
-            if "fsdp" in system and stage == 2:
-                # FSDP SHARD_GRAD_OP gathers each unit just before its forward (with
-                # prefetch), not all at once after the optimizer as DeepSpeed stage 2
-                s["overlap_param_gather"] = True
-            return s, notes
-    if family == "zeropp":
-        # ZeRO++ = ZeRO-3 + qwZ (int8 weight all-gather) + hpZ (secondary bf16 copy of the
-        # weights sharded inside one node) + qgZ (int4 hierarchical gradient reduce-scatter).
-        # Field names are hzpsim.strategies.zeropp.Config's; hpZ secondary group = one node (paper).
-        return {
-            "name": "zeropp",
-            "hpz_partition_size": gpus_per_node,
-            "quantized_weights": True,
-            "quantized_gradients": True,
-        }, notes
-    if family != "nd":
+    if owner is None:
         raise RowSkipped(f"strategy_family: unknown family {family!r}")
-    if zs is None:
-        # Megatron-Core / NeMo / Megatron-Bridge recipes use the distributed optimizer
-        zs = 1 if any(k in system for k in ("megatron-core", "nemo", "megatron-bridge")) else 0
-        notes.append(f"zero_stage blank -> {zs} ({'distributed optimizer, NeMo/MCore default' if zs else 'plain DP'})")
-    vpp = whole(row, "vpp", 1) or 1
-    return {
-        "name": "nd",
-        "tp": tp,
-        "pp": pp,
-        "dp": dp,
-        "cp": cp,
-        "ep": ep,
-        "vpp": vpp,
-        "zero_stage": zs,
-        "sequence_parallel": _sequence_parallel(row, tp),
-    }, notes
+    sg_text = cell_text(row, "sharding_group")
+    run = strategies.PublishedRun(
+        family=family, system=system, gpus_per_node=gpus_per_node, tp=tp, pp=pp, cp=cp, ep=ep, dp=dp, zero_stage=zs,
+        sharding_group=int(sg_text) if sg_text.isdigit() else None, sequence_parallel=_sequence_parallel(row, tp),
+        column=lambda column: whole(row, column))
+    try:
+        strategy, more = owner[0].from_published(run)
+    except ValueError as exc:  # the plugin cannot map the row: its message names the column
+        raise RowSkipped(str(exc)) from None
+    return strategy, notes + more
 
 
 # --------------------------------------------------------------------------- rows -> cases

@@ -8,12 +8,16 @@ Regimes (a row can be in a family regime and in ``MoE`` / ``long context`` as we
 * ``HSDP`` — ``hsdp`` rows;
 * ``MoE`` — models with routed experts;
 * ``long context`` — context parallelism or sequences of 16k tokens and more.
+
+A strategy's family regime is what its plugin declares (``VALIDATION_REGIMES``, by
+implementation profile).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from hzpsim import strategies
 from hzpsim.model import Model
 from hzpsim.validation.mapping import Case
 from hzpsim.validation.measured import Measurement
@@ -30,12 +34,11 @@ def regimes_of(mapping: dict, model: Model | None = None) -> tuple[str, ...]:
     model = model or scenario_from_mapping(mapping).model
     name, impl = strategy["name"], str(strategy.get("implementation", ""))
     out: list[str] = []
-    if name == "nd":
-        out.append("Megatron ND")
-    elif name == "hsdp":
-        out.append("HSDP")
-    elif name in ("zero", "zeropp", "mics"):
-        out.append("DeepSpeed ZeRO" if impl.startswith("deepspeed") else "FSDP/ZeRO-3")
+    # the plugin's VALIDATION_REGIMES: implementation prefix -> regime, first match
+    for prefix, regime in strategies.declared(name, "VALIDATION_REGIMES", {}).items():
+        if impl.startswith(prefix):
+            out.append(regime)
+            break
     if model.moe is not None:
         out.append("MoE")
     if strategy.get("cp", 1) > 1 or model.seq_len >= LONG_CONTEXT_TOKENS:

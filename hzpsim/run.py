@@ -45,10 +45,6 @@ def resolve(scenario: Scenario, name: str, config: Any) -> StrategyChoice:
     return StrategyChoice(name, config)
 
 
-
-# the old private name, still imported by hzpsim/fitting/published.py: drop it once that uses resolve
-_resolve = resolve
-
 def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False,
            traces: list[Trace] | None = None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Simulate ``choice``; when it is adaptive, first simulate its candidates and keep the best.

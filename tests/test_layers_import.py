@@ -15,9 +15,9 @@ A module is named by its first component under ``hzpsim`` (``hzpsim.sim.engine``
 ``__init__``). A module that is in no layer fails the test: add it to ``LAYERS``, in the layer
 of the lowest module that imports it and above everything it imports.
 
-The table also lists modules that live on other branches (``executor/``,
-``validate_executor``, ``search``, ``regress``, ``frames``), so that they are checked the
-moment they arrive.
+Below the layers, the house rules of the package's structure: no import cycle anywhere inside
+``hzpsim/`` (not even inside one package; no allowed exceptions), no module over 800 lines, at
+most 8 modules directly under ``hzpsim/``.
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ FORBIDDEN = {("sim", "strategies"): "the engine never imports a strategy (docs/d
 # Third-party packages confined to one layer: package -> the layer allowed to import it.
 CONFINED = {"simpy": "sim", "torch": "executor", "matplotlib": "plots"}
 
-# Known violations, each with the reason it is tolerated for now: (file, imported layer).
-KNOWN: dict[tuple[str, str], str] = {}
 
 
 def layer_of(module: str) -> str:
@@ -127,8 +125,6 @@ def violations(path: Path, source: str | None = None) -> list[str]:
         if top != "hzpsim":
             continue
         other = layer_of(target)
-        if (where, other) in KNOWN:
-            continue
         if other not in RANK:
             problems.append(f"{where}:{line}: {text}: '{other}' is in no layer of LAYERS in "
                             "tests/test_layers_import.py: add it there")
@@ -150,16 +146,6 @@ def test_the_package_has_modules():
 def test_every_module_imports_only_downward():
     problems = [p for path in MODULES for p in violations(path)]
     assert not problems, "imports that break the layers of docs/design.md:\n" + "\n".join(problems)
-
-
-def test_known_exceptions_are_still_needed():
-    """A tolerated violation that disappeared must leave KNOWN, so it cannot come back unseen."""
-    for (file, other), _why in KNOWN.items():
-        path = REPO / file
-        module = module_name(path)
-        targets = {layer_of(t) for _, t, _ in imported(ast.parse(path.read_text()), module,
-                                                        path.name == "__init__.py") if t.startswith("hzpsim")}
-        assert other in targets, f"{file} no longer imports {other}: remove it from KNOWN"
 
 
 def test_the_layers_agree_with_design_md():
@@ -206,3 +192,66 @@ def test_the_check_catches_each_kind_of_violation(file, source, expected):
 ])
 def test_the_check_allows_downward_and_same_layer_imports(file, source):
     assert violations(PACKAGE / file, source) == []
+
+
+# ------------------------------------------------------------------ the house rules of the redesign
+
+def _module_graph() -> dict[str, set[str]]:
+    """module -> the hzpsim modules it imports (the most specific module each import names:
+    ``from hzpsim.strategies import _family`` is ``hzpsim.strategies._family``), lazy imports
+    inside functions included; imports under ``if TYPE_CHECKING:`` (annotations only, never
+    executed) left out."""
+    names = {module_name(p): p for p in MODULES}
+    graph: dict[str, set[str]] = {m: set() for m in names}
+    for mod, path in names.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        typing_only = {id(sub) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+                       for stmt in node.body for sub in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            targets: list[str] = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                targets = [f"{target}.{a.name}" if f"{target}.{a.name}" in names else target for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            graph[mod].update(t for t in targets if t in names and t != mod)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle of ``graph`` (one per strongly connected component of 2+ modules)."""
+    import networkx as nx
+
+    g = nx.DiGraph([(a, b) for a, targets in graph.items() for b in targets])
+    return [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+
+
+def test_no_import_cycle_inside_the_package():
+    """No circle at all, not even inside a package (no allowed exceptions)."""
+    found = cycles(_module_graph())
+    assert not found, "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_cycle_check_catches_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+MAX_LINES = 800
+MAX_TOP_MODULES = 8
+
+
+def test_no_module_over_800_lines_and_few_modules_at_the_top():
+    long = [f"{p.relative_to(REPO)}: {n}" for p in MODULES
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES]
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly under hzpsim/: {top}"

@@ -109,13 +109,13 @@ def _simulate(scenario_mapping: dict[str, Any], prof: Profile) -> tuple[float, f
     from hzpsim.hardware.compute import ComputeModel, efficiency_for
     from hzpsim.model.ops import HOST_STREAM
     from hzpsim.report import build_report
-    from hzpsim.run import _resolve
+    from hzpsim.run import resolve
     from hzpsim.scenario import scenario_from_mapping
     from hzpsim.sim.engine import simulate
 
     with calibration.using(prof):
         scenario = scenario_from_mapping(scenario_mapping)
-        choice = _resolve(scenario, scenario.strategies[0].name, scenario.strategies[0].config)
+        choice = resolve(scenario, scenario.strategies[0].name, scenario.strategies[0].config)
         graph = strategies.get(choice.name).build(choice.config, scenario.model, scenario.training, scenario.topology)
         topology = scenario.topology
         efficiency = efficiency_for(topology.device)

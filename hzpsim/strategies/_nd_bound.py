@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hzpsim.hardware.topology import Topology
-from hzpsim.strategies import nd
+from hzpsim.strategies import _nd_layout as nd
 from hzpsim.strategies._bounds import (
     Bound,
     BoundCache,
@@ -86,7 +86,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     comm = [run_sum("comm_s", j) for j in range(len(spans))]
     acts = [run_sum("activation_bytes", j) for j in range(len(spans))]
     dense_dp = lay.dp * cfg.cp
-    sizes = nd._sharding_sizes(cfg.zero_stage, dense_dp)
+    sizes = nd.sharding_sizes(cfg.zero_stage, dense_dp)
     ps, gs, os_ = sizes
     block = cfg.tp * cfg.cp * lay.dp
     last = _last_action(bounder, p, v, m)

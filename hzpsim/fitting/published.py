@@ -275,7 +275,7 @@ def calibrate(measurements: Sequence[Measurement], start: Profile, iterations: i
         "ranges": in_range_report(full),
         "host_bound_rows": {t.measurement.label: round(t.w_host, 3) for t in terms if t.w_host > 0.05},
         "method": "least squares on ln(predicted/measured tokens/s per device) over cached per-row "
-                  "cost terms (hzpsim.calibration.fit), re-anchored by simulation",
+                  "cost terms (hzpsim.fitting.published), re-anchored by simulation",
     }
     return Profile(full, folds, "fit", report), terms
 

@@ -515,18 +515,17 @@ class Model:
         return 2.0 * self.hidden_size * self.vocab_size * num_tokens
 
 
-    # ------------------------------------------------------------------ recompute (checkpointing.py)
-    def op_sac_recomputed_linears(self, i: int, float8: bool = False) -> dict[str, list[tuple[int, int, str]]]:
-        """The linears of layer ``i`` that per-op selective checkpointing runs again, under
-        torchtitan's policy: :func:`hzpsim.model.checkpointing.torchtitan_op_sac_recomputed_linears`."""
-        return checkpointing.torchtitan_op_sac_recomputed_linears(self, i, float8)
-
-    def recompute_forward_flops(
-        self, i: int, num_tokens: int, mode: RecomputeMode, causal: bool = True, float8: bool = False
-    ) -> float:
-        """Extra forward FLOPs of layer ``i`` spent on recomputation:
-        :func:`hzpsim.model.checkpointing.recompute_forward_flops`."""
-        return checkpointing.recompute_forward_flops(self, i, num_tokens, mode, causal, float8)
+    # ------------------------------------------------------------------ the model's other modules
+    # their functions as methods (each takes the model first): recompute (checkpointing.py),
+    # stored activations and memory-bound bytes (activations.py), eager dispatches (dispatch.py)
+    op_sac_recomputed_linears = checkpointing.torchtitan_op_sac_recomputed_linears
+    recompute_forward_flops = checkpointing.recompute_forward_flops
+    activation_terms_per_token = activations.activation_terms_per_token
+    elementwise_bytes_per_token = activations.elementwise_bytes_per_token
+    activation_bytes_per_layer = activations.activation_bytes_per_layer
+    layer_kernels_forward = dispatch.layer_kernels_forward
+    norm_ops = dispatch.norm_ops
+    layer_kernels_fused = dispatch.layer_kernels_fused
 
     def training_flops_per_token(
         self, recompute: RecomputeMode = "none", causal: bool = True
@@ -540,49 +539,6 @@ class Model:
             total += 3.0 * (fwd["gemm"] + fwd["attention"])
             total += self.recompute_forward_flops(i, 1, recompute, causal)
         return total
-
-    # ------------------------------------------------------------------ activations (activations.py)
-    def activation_terms_per_token(self, i: int, act_bytes: int = 2) -> dict[str, tuple[float, str]]:
-        """Stored-activation terms of layer ``i`` per token:
-        :func:`hzpsim.model.activations.activation_terms_per_token`."""
-        return activations.activation_terms_per_token(self, i, act_bytes)
-
-    def elementwise_bytes_per_token(self, i: int, act_bytes: int = 2) -> dict[str, tuple[float, str]]:
-        """HBM bytes of layer ``i``'s memory-bound kernels per token:
-        :func:`hzpsim.model.activations.elementwise_bytes_per_token`."""
-        return activations.elementwise_bytes_per_token(self, i, act_bytes)
-
-    def activation_bytes_per_layer(
-        self,
-        i: int,
-        micro_batch_size: int,
-        tp: int = 1,
-        sequence_parallel: bool = False,
-        recompute: RecomputeMode = "none",
-        flash_attention: bool = True,
-        cp: int = 1,
-        act_bytes: int = 2,
-        float8: bool = False,
-    ) -> float:
-        """Activation bytes layer ``i`` keeps for its backward, per device:
-        :func:`hzpsim.model.activations.activation_bytes_per_layer`."""
-        return activations.activation_bytes_per_layer(self, i, micro_batch_size, tp, sequence_parallel, recompute,
-                                                      flash_attention, cp, act_bytes, float8)
-
-    # ------------------------------------------------------------------ host dispatches (dispatch.py)
-    def layer_kernels_forward(self, i: int, flash_attention: bool = True, backward: bool = False) -> int:
-        """ATen ops an eager forward (or backward) of layer ``i`` dispatches:
-        :func:`hzpsim.model.dispatch.layer_kernels_forward`."""
-        return dispatch.layer_kernels_forward(self, i, flash_attention, backward)
-
-    def norm_ops(self) -> tuple[int, int]:
-        """ATen ops of one eager norm, forward and backward: :func:`hzpsim.model.dispatch.norm_ops`."""
-        return dispatch.norm_ops(self)
-
-    def layer_kernels_fused(self, i: int, flash_attention: bool = True) -> int:
-        """Kernels a ``torch.compile``d forward of layer ``i`` launches:
-        :func:`hzpsim.model.dispatch.layer_kernels_fused`."""
-        return dispatch.layer_kernels_fused(self, i, flash_attention)
 
     # ------------------------------------------------------------------ report
     def summary(self) -> dict[str, object]:

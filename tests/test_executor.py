@@ -140,10 +140,11 @@ def test_the_executor_names_strategies_as_the_simulator_does():
 
 def test_the_trainer_table_has_the_executor_strategies():
     pytest.importorskip("torch")
-    from hzpsim.executor.spec import EXECUTOR_STRATEGIES
+    from hzpsim.executor.spec import EXECUTOR_STRATEGIES, TRAINER_KINDS
     from hzpsim.executor.trainers import TRAINERS
 
-    assert tuple(TRAINERS) == EXECUTOR_STRATEGIES
+    assert tuple(TRAINER_KINDS) == EXECUTOR_STRATEGIES  # every strategy has a trainer kind
+    assert set(TRAINER_KINDS.values()) == set(TRAINERS)  # every kind is a trainer, none unused
 
 
 @pytest.mark.parametrize("filters, expected", [

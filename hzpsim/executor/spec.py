@@ -27,6 +27,11 @@ IMPLEMENTATIONS = {"zero": "fsdp2", "hsdp": "fsdp2", "nd": "dtensor", "asynchzp"
 executor runs for each strategy: FSDP2 for ZeRO-3/ZeRO-2/HSDP, DTensor TP+SP with
 torch.distributed.pipelining for ND, our own AsyncHZP."""
 
+TRAINER_KINDS = {"reference": "reference", "zero": "fsdp", "hsdp": "fsdp-replicated", "nd": "nd",
+                 "asynchzp": "asynchzp"}
+"""Which trainer (``executor/trainers.py`` ``TRAINERS``, by kind) runs each strategy: a new
+strategy that an existing trainer runs registers here and in :func:`_layout_of` only."""
+
 VALIDATION_STRATEGIES: tuple[dict[str, Any], ...] = (
     {"name": "zero", "stage": 3},
     {"name": "hsdp", "shard_group_size": 2},

@@ -1,4 +1,4 @@
-"""The trainer of each strategy the executor runs, keyed by the simulator's strategy name.
+"""The trainers the executor runs, by kind (``spec.TRAINER_KINDS`` maps each strategy to its kind).
 
 - ``reference``: one process, the whole model (:mod:`hzpsim.executor.reference`);
 - ``zero`` (``Layout.stage`` 3 or 2) and ``hsdp``: PyTorch FSDP2 (:mod:`hzpsim.executor.fsdp`);
@@ -22,20 +22,22 @@ from hzpsim.executor.common import Trainer
 from hzpsim.executor.fsdp import FSDPTrainer
 from hzpsim.executor.nd import NDTrainer
 from hzpsim.executor.reference import ReferenceTrainer
-from hzpsim.executor.spec import RunSpec
+from hzpsim.executor.spec import TRAINER_KINDS, RunSpec
 
 TRAINERS: dict[str, Callable[[RunSpec, torch.device], Trainer]] = {
     "reference": lambda spec, device: ReferenceTrainer(spec),
-    "zero": FSDPTrainer,
-    "hsdp": lambda spec, device: FSDPTrainer(spec, device, replicated=True),
+    "fsdp": FSDPTrainer,
+    "fsdp-replicated": lambda spec, device: FSDPTrainer(spec, device, replicated=True),
     "nd": NDTrainer,
     "asynchzp": AsyncHZPTrainer,
 }
-"""Trainer factories by strategy name; the keys are ``spec.EXECUTOR_STRATEGIES``."""
+"""Trainer factories by kind; ``spec.TRAINER_KINDS`` says which kind runs each strategy."""
 
 
 def make_trainer(spec: RunSpec, device: torch.device) -> Trainer:
     """The trainer of ``spec.strategy`` (inside an initialised process group, except reference)."""
-    if spec.strategy not in TRAINERS:
-        raise ValueError(f"strategy: the executor has no trainer for {spec.strategy!r} (known: {', '.join(TRAINERS)})")
-    return TRAINERS[spec.strategy](spec, device)
+    kind = TRAINER_KINDS.get(spec.strategy)
+    if kind not in TRAINERS:
+        raise ValueError(f"strategy: the executor has no trainer for {spec.strategy!r} "
+                         f"(known: {', '.join(TRAINER_KINDS)})")
+    return TRAINERS[kind](spec, device)

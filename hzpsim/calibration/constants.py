@@ -49,7 +49,7 @@ CONSTANTS: tuple[Constant, ...] = (
         "attention_kernel_fraction", 1.0, 0.6, 1.05, "fraction",
         "fraction of its standalone benchmark speed a fused attention kernel reaches inside "
         "a training step (every kernel family, every device)",
-        "1 = the FlashAttention-2/-3 papers' benchmark speeds (hardware/compute.py ATTENTION); below "
+        "1 = the FlashAttention-2/-3 papers' benchmark speeds (the device files' efficiency.attention_rates); below "
         "1 when the step's other kernels, smaller batches or masks slow it",
     ),
     Constant(

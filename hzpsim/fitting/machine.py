@@ -34,6 +34,7 @@ from hzpsim.hardware.collectives import gloo_hops
 from hzpsim.hardware.devices import (
     BUILTIN_DIR,
     Device,
+    gemm_sweep,
     load_device,
     with_measurements,
     write_device,
@@ -297,13 +298,6 @@ def fit_fabric_to_simulator(collectives: list[dict[str, Any]], world: int) -> di
         _, a, b = min((error(x, y), x, y) for x in latencies for y in bandwidths)
     return {"intra_node_latency_s": float(a), "inter_node_latency_s": float(a),
             "intra_node_bytes_per_s": float(b), "inter_node_bytes_per_s_per_device": float(b)}
-
-
-def gemm_sweep(rows: list[dict[str, Any]]) -> tuple[tuple[float, float, float, float, float], ...]:
-    """A machine's measured GEMM sweep ({m, k, n, flops_per_s, cpu_flops_per_s}) as the device
-    field (the rate alone on a core is the wall rate where it was not measured)."""
-    return tuple((float(r["m"]), float(r["k"]), float(r["n"]), float(r["flops_per_s"]),
-                  float(r.get("cpu_flops_per_s", r["flops_per_s"]))) for r in rows)
 
 
 def machine_device(profile: dict[str, Any], name: str = "cpu-local") -> Device:

@@ -11,7 +11,7 @@ move through HBM, and a fixed host-side duration. Its time is the sum of
   small tiles, which reuse less of each operand they load (:func:`tile_rate_fraction`). Like
   cuBLAS's heuristics, the fastest tiling and split-K factor is taken; never faster than
   moving its operands through HBM. Devices without an SM count keep one large-GEMM rate.
-* **attention** — the kernel family's measured speed for the head dimension (:data:`ATTENTION`,
+* **attention** — the kernel family's measured speed for the head dimension (the device file's ``efficiency.attention_rates``,
   FlashAttention-2/-3 papers), reduced at short sequences, × ``attention_kernel_fraction``;
 * **memory-bound kernels** — bytes / (HBM bandwidth × ``elementwise_hbm_efficiency``).
 

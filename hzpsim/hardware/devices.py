@@ -502,6 +502,14 @@ def effective_gemm_rate(sweep: tuple[tuple[float, float, float, float, float], .
     return total_flops / total_s
 
 
+def gemm_sweep(rows: list[dict[str, Any]]) -> tuple[tuple[float, float, float, float, float], ...]:
+    """A machine's measured GEMM sweep ({m, k, n, flops_per_s, cpu_flops_per_s}, as ``hzpsim
+    calibrate machine`` records it) as the ``gemm_sweep`` field (the rate alone on a core is
+    the wall rate where it was not measured)."""
+    return tuple((float(r["m"]), float(r["k"]), float(r["n"]), float(r["flops_per_s"]),
+                  float(r.get("cpu_flops_per_s", r["flops_per_s"]))) for r in rows)
+
+
 def for_gemms(device: Device, shapes: list[tuple[float, float, float]]) -> Device:
     """``device`` running the GEMMs ``shapes`` (m, k, n): with a measured GEMM sweep, its peaks
     are the rate the sweep gives these shapes (small GEMMs on a CPU run far below a large one's

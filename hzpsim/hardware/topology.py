@@ -272,10 +272,12 @@ class ClusterSpec:
             values["variability"] = DEFAULT_VARIABILITY
         if values["variability_seed"] is None:
             values["variability_seed"] = 0
-        if values["device_memory_bytes"] is None and values["device"] is not None:
-            values["device_memory_bytes"] = get_device(values["device"]).memory_bytes
-        if values["device"] is not None:
-            tdp = get_device(values["device"]).tdp_w
+        # the device's file, read once here (the Topology reuses it)
+        device = get_device(values["device"]) if values["device"] is not None else None
+        if values["device_memory_bytes"] is None and device is not None:
+            values["device_memory_bytes"] = device.memory_bytes
+        if device is not None:
+            tdp = device.tdp_w
             if values["device_power_limit_w"] is None:
                 values["device_power_limit_w"] = tdp or 0.0
             elif tdp is None:
@@ -296,7 +298,7 @@ class ClusterSpec:
             k: v if isinstance(v, (str, tuple)) else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
             for k, v in values.items()
         }
-        return ResolvedCluster(**typed, device_spec=get_device(typed["device"]))
+        return ResolvedCluster(**typed, device_spec=device)
 
 
 def _check_islands_divide(gpus_per_node: int | None, islands_per_node: int | None) -> None:

@@ -39,10 +39,9 @@ from hzpsim.executor.spec import (
     VALIDATION_STRATEGIES,
     fit_world,
 )
-from hzpsim.hardware.devices import for_gemms, with_measurements
+from hzpsim.hardware.devices import for_gemms, gemm_sweep, with_measurements
 from hzpsim.model.ops import COLLECTIVE, COLLECTIVE_KINDS
-from hzpsim.scenario import Scenario, StrategyChoice, scenario_from_mapping
-from hzpsim.scenario import gemm_shapes as model_gemm_shapes
+from hzpsim.scenario import Scenario, StrategyChoice, gemm_shapes, scenario_from_mapping
 
 #: The validation scenario (also ``examples/executor-world4.yaml``): a small Llama-style model in
 #: fp32 on the local CPU box; strategies for world size 4 (the CLI adapts the sizes to --world).
@@ -161,7 +160,7 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
         gemm = profile.get("measurements", {}).get("gemm")
         if gemm:
             measured = dataclasses.replace(measured, gemm_sweep=gemm_sweep(gemm))
-        topology.device = for_gemms(measured, gemm_shapes(scenario))
+        topology.device = for_gemms(measured, gemm_shapes(scenario.model, scenario.training.micro_batch_size))
     if comm_delay_s and topology.device.node_cpu_cores:
         # with a CPU pool a host op is CPU work, and a sleep is not: the delay joins each call's
         # wait instead (paid by the call, not by the thread that issues it)
@@ -173,18 +172,6 @@ def scenario_for_world(raw: dict[str, Any], world: int, profile: dict[str, Any],
         call_s = topology.device.collective_call_s or 0.0
         topology.device = dataclasses.replace(topology.device, collective_call_s=call_s + comm_delay_s)
     return scenario
-
-
-def gemm_sweep(rows: list[dict[str, Any]]) -> tuple[tuple[float, float, float, float, float], ...]:
-    """A machine profile's measured GEMM sweep ({m, k, n, flops_per_s, cpu_flops_per_s}) as the
-    device field (the rate alone on a core is the wall rate where it was not measured)."""
-    return tuple((float(r["m"]), float(r["k"]), float(r["n"]), float(r["flops_per_s"]),
-                  float(r.get("cpu_flops_per_s", r["flops_per_s"]))) for r in rows)
-
-
-def gemm_shapes(scenario: Scenario) -> list[tuple[float, float, float]]:
-    """(m, k, n) of every GEMM of one micro-batch of ``scenario``'s model (``scenario.gemm_shapes``)."""
-    return model_gemm_shapes(scenario.model, scenario.training.micro_batch_size)
 
 
 #: The implementation profile of what the executor runs for each strategy (the executor's table).

@@ -34,9 +34,9 @@ from hzpsim.model.ops import Op
 
 def efficiency_for(device: Device) -> Efficiency:
     """The device's efficiencies (its file's priors), with the active calibration profile's
-    fitted constants where the device file says they apply (``efficiency.calibrated``)."""
+    fitted constants where the device file says they apply (``efficiency.fitted_constants``)."""
     base = device.efficiency
-    if not base.calibrated:  # its rates are measurements (a CPU box, a calibrated machine)
+    if not base.fitted_constants:  # its rates are measurements (a CPU box, a calibrated machine)
         return base
     fit = calibration.active()
     group = base.gemm_constant

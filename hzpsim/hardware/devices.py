@@ -42,7 +42,7 @@ GIGA = 1e9
 class Efficiency:
     """Achieved fraction of peak per kernel class on one device (priors, each with its source;
     the calibration profile replaces ``gemm``, ``hbm`` and the attention fraction on a device
-    whose ``calibrated`` is true: ``hardware/compute.py`` ``efficiency_for``)."""
+    whose ``fitted_constants`` is true: ``hardware/compute.py`` ``efficiency_for``)."""
 
     gemm: float
     """Large dense GEMM, fraction of the dense peak of the GEMM dtype (bf16/fp16)."""
@@ -60,7 +60,7 @@ class Efficiency:
     """Large fp8 GEMM, fraction of the fp8 peak (None: no fp8 units)."""
     attention_fraction: float = 1.0
     """Fraction of the attention kernel's benchmark speed reached in training (calibrated)."""
-    calibrated: bool = True
+    fitted_constants: bool = True
     """The calibration profile's fitted constants apply (False: the rates are this machine's
     measurements, e.g. a device file written by ``hzpsim calibrate machine``)."""
     gemm_constant: str | None = None
@@ -93,7 +93,7 @@ class Device:
     # (training.attention_kernel); () = not tracked (attention at one fused-kernel rate)
     efficiency: Efficiency = field(default_factory=lambda: Efficiency(
         gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="peaks are measured rates",
-        calibrated=False))
+        fitted_constants=False))
     path: str | None = None  # the device file it was read from (None: built in code)
 
     @property
@@ -209,7 +209,7 @@ class Device:
             "efficiency": {"gemm": e.gemm, "gemm_fp8": e.gemm_fp8, "attention_forward": e.attention_forward,
                            "attention_backward": e.attention_backward, "hbm": e.hbm,
                            "comm_overlap_slowdown": e.comm_overlap_slowdown, "attention_fraction": e.attention_fraction,
-                           "calibrated": e.calibrated, "gemm_constant": e.gemm_constant, "source": e.source,
+                           "fitted_constants": e.fitted_constants, "gemm_constant": e.gemm_constant, "source": e.source,
                            "attention_rates": {k: [a, b] for k, a, b in e.attention_rates}},
             "host": {"kernel_launch_s": self.kernel_launch_s, "collective_call_s": self.collective_call_s,
                      "synchronous": self.synchronous_host,
@@ -343,7 +343,7 @@ def device_from_mapping(data: Any, where: str) -> Device:
         source=e.text("source") or "priors not stated: the peaks are taken as reached",
         comm_overlap_slowdown=e.number("comm_overlap_slowdown", strict=False) or 0.0,
         gemm_fp8=e.number("gemm_fp8", high=1.0), attention_fraction=e.number("attention_fraction", high=2.0) or 1.0,
-        calibrated=e.flag("calibrated", False), gemm_constant=e.text("gemm_constant"), attention_rates=tuple(rates))
+        fitted_constants=e.flag("fitted_constants", False), gemm_constant=e.text("gemm_constant"), attention_rates=tuple(rates))
     h = r.section("host")
     frameworks = h.data.get("frameworks") or {}
     if not isinstance(frameworks, dict):

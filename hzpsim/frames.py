@@ -64,14 +64,12 @@ def memory_frame(trace: Trace, rank: int | None = None) -> pd.DataFrame:
     """Memory of one simulated rank (default: the one with the highest peak) over the reported
     step: one row per instant it changes, one column per category (bytes), plus ``total``."""
     from hzpsim.model.ops import MEMORY_CATEGORIES
-    from hzpsim.report import memory_peak
+    from hzpsim.report import memory_peak, resident_memory
 
     if rank is None:
         rank = max(trace.graph.weights, key=lambda r: (memory_peak(trace, r)[0], -r))
     lo, hi = step_window(trace)
-    current = {c: 0.0 for c in MEMORY_CATEGORIES}
-    for category, size in trace.graph.static_memory[rank].items():
-        current[category] += size
+    current = resident_memory(trace, rank)
     rows: list[dict[str, float]] = []
     for time, category, delta in sorted(trace.memory_events[rank], key=lambda e: e[0]):
         if time > hi:
@@ -89,11 +87,9 @@ def memory_frame(trace: Trace, rank: int | None = None) -> pd.DataFrame:
 
 
 def _state_at(trace: Trace, rank: int, when: float) -> dict[str, float]:
-    from hzpsim.model.ops import MEMORY_CATEGORIES
+    from hzpsim.report import resident_memory
 
-    current = {c: 0.0 for c in MEMORY_CATEGORIES}
-    for category, size in trace.graph.static_memory[rank].items():
-        current[category] += size
+    current = resident_memory(trace, rank)
     for time, category, delta in trace.memory_events[rank]:
         if time <= when:
             current[category] += delta

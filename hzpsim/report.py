@@ -10,7 +10,16 @@ Every definition here is DESIGN §5's:
 - ``overlap_fraction`` / ``exposed_comm_s``: on each simulated rank, within the reported step,
   the union of time its communication ops are in flight, split into the part covered by its
   compute stream being busy (hidden) and the rest (exposed). The worst rank is reported.
-- ``memory_breakdown_bytes``: the categories at the instant of the peak, on the worst rank.
+- ``peak_memory_allocated_bytes``: what ``torch.cuda.max_memory_allocated`` would say on the
+  worst rank: the live tensors at their peak, plus the GEMM library's workspace; ``memory_breakdown_bytes``: its categories at that instant.
+- ``peak_memory_reserved_bytes``: what ``torch.cuda.max_memory_reserved`` would say: the rank's
+  allocations replayed through the caching allocator (:mod:`hzpsim.sim.allocator`); equal to
+  the allocated peak on a device without one. ``peak_memory_bytes`` is the same number.
+- ``device_overhead_bytes``: device memory outside PyTorch's allocator (the driver's context and
+  one buffer set per collective communicator the rank holds: the device file's ``memory``).
+- ``fits_in_memory``: the replay never ran out of the capacity less the overhead, and at least
+  ``cluster.min_memory_headroom_bytes`` is left; ``memory_headroom_bytes`` = capacity -
+  overhead - reserved (negative: short by that much).
 - ``comm_bytes_per_device``: bytes one device sends in the reported step, by the level crossed
   (intra_node = island + between-island; inter_node = leaf + spine), worst rank.
 """
@@ -34,6 +43,7 @@ from hzpsim.model.ops import (
 )
 from hzpsim.model.training import Training
 from hzpsim.scenario import Scenario
+from hzpsim.sim.allocator import communicators, replay
 from hzpsim.sim.engine import Trace
 
 JSON_KEYS = (
@@ -44,6 +54,10 @@ JSON_KEYS = (
     "mfu",
     "hfu",
     "peak_memory_bytes",
+    "peak_memory_allocated_bytes",
+    "peak_memory_reserved_bytes",
+    "device_overhead_bytes",
+    "memory_headroom_bytes",
     "memory_capacity_bytes",
     "memory_breakdown_bytes",
     "fits_in_memory",
@@ -105,12 +119,21 @@ def step_boundaries(trace: Trace) -> list[float]:
     return [ends[k] for k in sorted(ends)]
 
 
-def memory_peak(trace: Trace, rank: int) -> tuple[float, dict[str, float]]:
-    """Peak bytes on ``rank`` and the breakdown by category at that instant (after all the
-    events of one instant)."""
+def resident_memory(trace: Trace, rank: int) -> dict[str, float]:
+    """What ``rank`` holds for the whole run, by category (every category present): its model
+    states and pre-allocated buffers (the graph's static memory) and, under ``other``, the
+    device's GEMM workspace (cuBLAS keeps one per stream that runs GEMMs, from the first one on)."""
     current = {c: 0.0 for c in MEMORY_CATEGORIES}
     for category, size in trace.graph.static_memory[rank].items():
         current[category] += size
+    current["other"] += trace.topology.device.gemm_workspace_bytes
+    return current
+
+
+def memory_peak(trace: Trace, rank: int) -> tuple[float, dict[str, float]]:
+    """Peak bytes on ``rank`` and the breakdown by category at that instant (after all the
+    events of one instant)."""
+    current = resident_memory(trace, rank)
     peak, at_peak = sum(current.values()), dict(current)
     previous = None
     for now, category, size in trace.memory_events[rank]:
@@ -124,6 +147,44 @@ def memory_peak(trace: Trace, rank: int) -> tuple[float, dict[str, float]]:
     if total > peak:
         peak, at_peak = total, dict(current)
     return peak, at_peak
+
+
+def device_memory(trace: Trace) -> dict[str, Any]:
+    """Allocated and reserved peaks (the highest of any simulated rank; the breakdown is the
+    highest-allocating rank's), the overhead and headroom of the rank with the least room, and
+    whether every rank fits. See the module docstring for the definitions."""
+    graph, device, spec = trace.graph, trace.topology.device, trace.topology.spec
+    groups = list(graph.groups.values())
+    rows: dict[int, dict[str, Any]] = {}
+    for r in graph.weights:
+        allocated, breakdown = memory_peak(trace, r)
+        static = resident_memory(trace, r)
+        overhead = device.context_bytes + device.communicator_bytes * communicators(groups, r)
+        room = device.memory_bytes - overhead
+        events = trace.memory_events[r]
+        if device.caching_allocator:
+            free_run = replay(static, events, None, spec.expandable_segments)
+            reserved, out = free_run.peak_reserved_bytes, False
+            if reserved > room:  # the allocator gives cached segments back before it gives up
+                capped = replay(static, events, room, spec.expandable_segments)
+                out = capped.out_of_memory
+                reserved = reserved if out else capped.peak_reserved_bytes
+        else:
+            reserved = allocated
+            out = reserved > room
+        headroom = room - reserved
+        rows[r] = {"peak_memory_allocated_bytes": allocated, "breakdown": breakdown,
+                   "peak_memory_reserved_bytes": reserved, "device_overhead_bytes": overhead,
+                   "memory_headroom_bytes": headroom,
+                   "fits_in_memory": not out and headroom >= spec.min_memory_headroom_bytes}
+    most = max(rows, key=lambda r: (rows[r]["peak_memory_allocated_bytes"], -r))
+    tightest = min(rows, key=lambda r: (rows[r]["memory_headroom_bytes"], r))
+    return {"peak_memory_allocated_bytes": rows[most]["peak_memory_allocated_bytes"],
+            "breakdown": rows[most]["breakdown"],
+            "peak_memory_reserved_bytes": max(row["peak_memory_reserved_bytes"] for row in rows.values()),
+            "device_overhead_bytes": rows[tightest]["device_overhead_bytes"],
+            "memory_headroom_bytes": rows[tightest]["memory_headroom_bytes"],
+            "fits_in_memory": all(row["fits_in_memory"] for row in rows.values())}
 
 
 def ops_by_rank(trace: Trace) -> dict[int, list[Op]]:
@@ -216,9 +277,8 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     mfu = model_flops / (step_time * n * peak_flops)
     hfu = (model_flops + recompute_flops) / (step_time * n * peak_flops)
 
-    peaks = {r: memory_peak(trace, r) for r in graph.weights}
-    worst = max(peaks, key=lambda r: (peaks[r][0], -r))
-    peak, breakdown = peaks[worst]
+    memory = device_memory(trace)
+    peak, breakdown = memory["peak_memory_allocated_bytes"], memory["breakdown"]
 
     # Sums over devices: a simulated rank counts once per device it stands for. fsum keeps
     # the symmetric and the expanded runs bit-identical (n copies of x sum to round(n*x)).
@@ -242,10 +302,14 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
         "tflops_per_device": model_flops / step_time / n / 1e12,
         "mfu": mfu,
         "hfu": hfu,
-        "peak_memory_bytes": peak,
+        "peak_memory_bytes": memory["peak_memory_reserved_bytes"],
+        "peak_memory_allocated_bytes": peak,
+        "peak_memory_reserved_bytes": memory["peak_memory_reserved_bytes"],
+        "device_overhead_bytes": memory["device_overhead_bytes"],
+        "memory_headroom_bytes": memory["memory_headroom_bytes"],
         "memory_capacity_bytes": device.memory_bytes,
         "memory_breakdown_bytes": {c: breakdown[c] for c in MEMORY_CATEGORIES},
-        "fits_in_memory": peak <= device.memory_bytes,
+        "fits_in_memory": memory["fits_in_memory"],
         "exposed_comm_s": max(exposed_by_rank.values()),
         "overlap_fraction": hidden_total / comm_total if comm_total > 0 else None,
         "bubble_fraction": None,
@@ -257,7 +321,7 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     }
     if graph.meta.get("pp", 1) > 1:
         report["bubble_fraction"] = max(idle_fraction(spans[r], window) for r in graph.weights)
-    report["memory_over_capacity_bytes"] = max(peak - device.memory_bytes, 0.0)
+    report["memory_over_capacity_bytes"] = max(-memory["memory_headroom_bytes"], 0.0)
     report["stream_utilization"] = stream_utilization(spans[graph.ranks[0]], window)
     critical = max(graph.weights, key=lambda r: (exposed_by_rank[r], -r))
     report["time_breakdown_s"] = time_breakdown(trace, by_rank[critical], spans[critical], window)

@@ -74,7 +74,8 @@ def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False,
             continue
         kept: list[Trace] = []
         report = report_of(scenario, resolved, graph, kept if traces is not None else None)
-        rows.append({**row, "report": report, "fits": report["peak_memory_bytes"] <= budget, "trace": kept})
+        fits = report["fits_in_memory"] and report["peak_memory_bytes"] + report["device_overhead_bytes"] <= budget
+        rows.append({**row, "report": report, "fits": fits, "trace": kept})
     runnable = [r for r in rows if "report" in r]
     if not runnable:  # nothing fits: simulate the candidate with the smallest resident states
         least = min((r for r in rows if "graph" in r), key=lambda r: r["states"])

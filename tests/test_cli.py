@@ -28,6 +28,10 @@ DESIGN_KEYS = (
     "mfu",
     "hfu",
     "peak_memory_bytes",
+    "peak_memory_allocated_bytes",
+    "peak_memory_reserved_bytes",
+    "device_overhead_bytes",
+    "memory_headroom_bytes",
     "memory_capacity_bytes",
     "memory_breakdown_bytes",
     "fits_in_memory",
@@ -40,7 +44,7 @@ DESIGN_KEYS = (
     "sim_wall_s",
     "num_events",
 )
-BREAKDOWN_KEYS = {"params", "grads", "optimizer", "activations", "buffers", "other"}
+BREAKDOWN_KEYS = {"params", "grads", "optimizer", "activations", "temporaries", "buffers", "other"}
 COMM_KEYS = {"intra_node", "inter_node"}
 FRACTIONS = ("mfu", "hfu", "overlap_fraction", "bubble_fraction")
 
@@ -196,8 +200,12 @@ def test_run_json_values_follow_the_definitions(tiny_report):
     assert r["memory_capacity_bytes"] == pytest.approx(DEVICES["h100-sxm"].memory_bytes)
     assert r["fits_in_memory"] is True
     assert sum(r["memory_breakdown_bytes"][k] for k in BREAKDOWN_KEYS) == pytest.approx(
-        r["peak_memory_bytes"]
+        r["peak_memory_allocated_bytes"]
     )
+    # the caching allocator reserves at least what it hands out; peak_memory_bytes is the reserved
+    assert r["peak_memory_allocated_bytes"] <= r["peak_memory_reserved_bytes"] == r["peak_memory_bytes"]
+    assert r["memory_headroom_bytes"] >= (
+        r["memory_capacity_bytes"] - r["device_overhead_bytes"] - r["peak_memory_reserved_bytes"]) - 1.0
     assert all(v >= 0 for v in r["memory_breakdown_bytes"].values())
     assert r["comm_bytes_per_device"]["inter_node"] == 0  # one node
     assert r["comm_bytes_per_device"]["intra_node"] == pytest.approx(comm, rel=1e-12)

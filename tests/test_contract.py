@@ -57,7 +57,7 @@ def assert_prediction(obj: dict, spec: dict[str, str], search: bool = False) -> 
     assert not missing, f"documented keys not printed: {missing}"
     for key, value in obj.items():
         assert type_ok(value, spec[key]), (key, value, spec[key])
-    assert set(obj["memory_breakdown_bytes"]) == {"params", "grads", "optimizer", "activations", "buffers", "other"}
+    assert set(obj["memory_breakdown_bytes"]) == {"params", "grads", "optimizer", "activations", "temporaries", "buffers", "other"}
     assert set(obj["comm_bytes_per_device"]) == {"intra_node", "inter_node"}
     assert sum(obj["time_breakdown_s"].values()) == pytest.approx(obj["step_time_s"], rel=1e-6)
 

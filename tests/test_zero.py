@@ -87,7 +87,7 @@ def test_zero3_peak_holds_states_activations_and_gather_buffers():
     # tiny-dense layer (the largest unit) has 725,504 parameters
     layer = 725_504
     assert breakdown["buffers"] == pytest.approx((1 + 1) * layer * 2 + 2 * layer * 4, rel=1e-12)
-    assert report["peak_memory_bytes"] == pytest.approx(sum(breakdown.values()))
+    assert report["peak_memory_allocated_bytes"] == pytest.approx(sum(breakdown.values()))
 
 
 def test_consistency_tokens_step_and_mfu():
@@ -142,7 +142,7 @@ def test_zero3_hides_gathers_behind_compute():
 
 
 def test_more_stages_less_memory():
-    peaks = [run(s)[1]["peak_memory_bytes"] for s in (1, 2, 3)]
+    peaks = [run(s)[1]["peak_memory_allocated_bytes"] for s in (1, 2, 3)]
     assert peaks[0] > peaks[1] > peaks[2]
 
 

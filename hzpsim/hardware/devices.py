@@ -141,6 +141,14 @@ class Device:
     # wall time while every rank works, FLOP/s of one rank alone on a core); a scenario on it
     # runs its GEMMs at the rate the sweep gives its shapes (:func:`effective_gemm_rate`)
     gemm_sweep: tuple[tuple[float, float, float, float, float], ...] = ()
+    # device memory outside the training's tensors (the device file's ``memory`` section,
+    # docs/memory.md): PyTorch's caching allocator (reserved >= allocated) or none (a CPU:
+    # reserved = allocated); outside the allocator, the driver's context and each collective
+    # communicator's own buffers; inside it, the GEMM library's workspace per compute stream
+    caching_allocator: bool = False
+    context_bytes: float = 0.0
+    communicator_bytes: float = 0.0
+    gemm_workspace_bytes: float = 0.0
 
     @property
     def memory_label_gb(self) -> float:
@@ -219,6 +227,9 @@ class Device:
                      "collective_costs": [list(r) for r in self.collective_costs],
                      "collective_cpu_costs": [list(r) for r in self.collective_cpu_costs]},
             "gemm_sweep": [list(r) for r in self.gemm_sweep],
+            "memory": {"caching_allocator": self.caching_allocator, "context_bytes": self.context_bytes or None,
+                       "communicator_bytes": self.communicator_bytes or None,
+                       "gemm_workspace_bytes": self.gemm_workspace_bytes or None},
         }
         return _plain(doc)
 
@@ -315,7 +326,7 @@ def device_from_mapping(data: Any, where: str) -> Device:
     r = _Reader(data, where)
     known = {"name", "source", "peak_flops_per_s", "memory_bytes", "memory_bytes_per_s", "nominal_memory_gb",
              "num_sms", "tdp_w", "power_limit_w", "default_cluster_preset", "attention_kernels", "efficiency",
-             "host", "gemm_sweep"}
+             "host", "gemm_sweep", "memory"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{where}: {unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
@@ -361,7 +372,14 @@ def device_from_mapping(data: Any, where: str) -> Device:
             raise ValueError(f"{where}: gemm_sweep[{i}]: must be [m, k, n, FLOP/s, FLOP/s alone], all > 0, got {row!r}")
         sweep.append(tuple(float(x) for x in row))
     path = where if where.endswith((".yaml", ".yml")) else None
+    m = r.section("memory")
+    unknown = sorted(set(m.data) - {"caching_allocator", "context_bytes", "communicator_bytes", "gemm_workspace_bytes"})
+    if unknown:
+        raise ValueError(f"{where}: memory.{unknown[0]}: unknown field (known: caching_allocator, "
+                         "communicator_bytes, context_bytes, gemm_workspace_bytes)")
+    memory = {k: m.number(k, strict=False) or 0.0 for k in ("context_bytes", "communicator_bytes", "gemm_workspace_bytes")}
     return Device(
+        caching_allocator=m.flag("caching_allocator", False), **memory,
         name=r.text("name", required=True), source=r.text("source", required=True),  # type: ignore[arg-type]
         peak_bf16_flops_per_s=bf16, peak_fp16_flops_per_s=peaks.number("fp16") or bf16,  # type: ignore[arg-type]
         peak_fp8_flops_per_s=peaks.number("fp8"), peak_fp32_flops_per_s=peaks.number("fp32"),

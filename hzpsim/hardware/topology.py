@@ -168,6 +168,8 @@ class ClusterSpec:
     inter_node_latency_s: float | None = None
     device_memory_bytes: float | None = None  # override of the device's memory capacity (bytes); None = the catalog's
     device_power_limit_w: float | None = None  # power cap of each device (W); None = its TDP
+    expandable_segments: bool = False  # PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (sim/allocator.py)
+    min_memory_headroom_bytes: float = 0.0  # a layout fits only with at least this much device memory left
     variability: float | None = None  # cv of per-rank time between synchronisations; None = default
     variability_seed: int | None = None  # seed of the sampled draws under --expand; None = 0
     stragglers: tuple[Straggler, ...] = ()  # explicit slow devices, nodes and links; none by default
@@ -215,6 +217,11 @@ class ClusterSpec:
         v = self.device_power_limit_w
         if v is not None and not (_is_number(v) and v > 0 and math.isfinite(v)):
             raise ValueError(f"device_power_limit_w: must be a positive number of watts, got {v!r}")
+        if not isinstance(self.expandable_segments, bool):
+            raise ValueError(f"expandable_segments: must be true or false, got {self.expandable_segments!r}")
+        v = self.min_memory_headroom_bytes
+        if not (_is_number(v) and v >= 0 and math.isfinite(v)):
+            raise ValueError(f"min_memory_headroom_bytes: must be a finite number of bytes >= 0, got {v!r}")
         v = self.spine_oversubscription
         if v is not None and not (_is_number(v) and v >= 1 and math.isfinite(v)):
             raise ValueError(f"spine_oversubscription: must be a finite ratio >= 1, got {v!r}")
@@ -277,6 +284,15 @@ class ClusterSpec:
         if values["device_memory_bytes"] is None and device is not None:
             values["device_memory_bytes"] = device.memory_bytes
         if device is not None:
+            outside = device.context_bytes + device.communicator_bytes + values["min_memory_headroom_bytes"]
+            if values["device_memory_bytes"] <= outside:
+                raise ValueError(
+                    f"device_memory_bytes: {values['device_memory_bytes']:.4g} bytes leave nothing for the training: "
+                    f"device {values['device']!r} needs {device.context_bytes + device.communicator_bytes:.4g} bytes "
+                    "outside PyTorch's allocator for its context and one communicator"
+                    + (f", plus min_memory_headroom_bytes {values['min_memory_headroom_bytes']:.4g}"
+                       if values["min_memory_headroom_bytes"] else ""))
+        if device is not None:
             tdp = device.tdp_w
             if values["device_power_limit_w"] is None:
                 values["device_power_limit_w"] = tdp or 0.0
@@ -295,7 +311,7 @@ class ClusterSpec:
                 raise ValueError(f"stragglers[{i}].device: {straggler.device} out of range [0, {devices}) "
                                  f"({values['num_nodes']} nodes x {values['gpus_per_node']} devices)")
         typed: dict[str, Any] = {  # plain int / float, whatever numbers the spec was built with
-            k: v if isinstance(v, (str, tuple)) else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
+            k: v if isinstance(v, (str, tuple, bool)) else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
             for k, v in values.items()
         }
         return ResolvedCluster(**typed, device_spec=device)
@@ -354,6 +370,10 @@ class ResolvedCluster:
     device_power_limit_w: float
     """Power cap of each device (W; its TDP unless set; 0 = a device without a TDP): a cap
     below the TDP lowers the sustained compute clock."""
+    expandable_segments: bool
+    """The caching allocator grows one segment per stream instead of reserving new ones."""
+    min_memory_headroom_bytes: float
+    """Device memory that must stay free for a layout to count as fitting (bytes >= 0)."""
     variability: float
     """Coefficient of variation of a rank's time between synchronisations (0 = off)."""
     variability_seed: int

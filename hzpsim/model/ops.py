@@ -39,7 +39,10 @@ COMPUTE = "compute"
 COLLECTIVE = "collective"
 
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
-MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "other")
+MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "temporaries", "buffers", "other")
+"""Memory by category. ``temporaries``: eager tensors that live only while one op runs (the
+loss's fp32 logits and their gradients, a pass's intermediates that are not saved for the
+backward), allocated when the op starts and freed when it ends."""
 STEP_END_CATEGORY = "optimizer"  # the op category that closes an optimizer step (see above)
 HOST_STREAM = "host"  # the stream of host-thread work (launches, list-form views, synchronisations)
 

@@ -112,7 +112,11 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
     families = tuple(families or all_families())
     space = space or default_space(scenario)
     runner = runner or Runner()
-    capacity = scenario.topology.device.memory_bytes
+    device, cluster = scenario.topology.device, scenario.topology.spec
+    # what PyTorch's allocator may hold at most: the capacity less what certainly lives outside
+    # it (the driver's context; communicators vary by layout) and the headroom asked for
+    room = device.memory_bytes - device.context_bytes - cluster.min_memory_headroom_bytes
+    capacity = device.memory_bytes
     rows: list[Row] = []
     alive: list[Row] = []
     bounder = Bounder(scenario)
@@ -132,7 +136,7 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
         b = bounder(candidate)
         row = Row(candidate, "alive", bound=b)
         rows.append(row)
-        if b.memory_bytes > capacity and not exhaustive:
+        if b.memory_bytes > room and not exhaustive:
             row.status = "pruned_memory"
             row.reason = f"needs at least {b.memory_bytes / 2**30:.1f} GiB of {capacity / 2**30:.1f} GiB"
             continue

@@ -140,6 +140,17 @@ class Implementation:
     share the GIL and the core with the training thread)."""
     framework_call_s: float = 0.0
     """Host time of the framework's Python per collective call (set by :meth:`on_device`)."""
+    loss: Literal["eager-fp32", "vocab-parallel"] = "eager-fp32"
+    """How the cross-entropy loss runs, which sets the eager temporaries around the logits
+    (:func:`loss_bytes_per_logit`). ``eager-fp32``: ``F.cross_entropy(logits.float(), labels)``
+    (torchtitan ``components/loss.py::cross_entropy_loss``, Hugging Face
+    ``loss/loss_utils.py::ForCausalLMLoss``, hzpsim's executor ``executor/common.py::cross_entropy``):
+    an fp32 copy of the logits, the fp32 log-softmax saved for the backward, and in the backward
+    ``nll_loss_backward``'s dense fp32 gradient beside ``_log_softmax_backward_data``'s.
+    ``vocab-parallel``: Megatron's ``tensor_parallel/cross_entropy.py::_VocabParallelCrossEntropy``
+    (``VocabParallelCrossEntropy.calculate_logits_max`` casts to fp32, then subtract, exp and
+    divide in place, so the fp32 copy becomes the saved softmax; the backward turns that saved
+    softmax into the gradient in place)."""
     tp_gathers_logits: bool = False
     """Tensor parallelism: the head's vocabulary-sharded logits are all-gathered to every TP
     rank before the loss (DTensor's ``ColwiseParallel(output_layouts=Replicate())``, torchtitan
@@ -230,6 +241,28 @@ class Implementation:
         return kernels * self.kernel_launch_s if self.host else 0.0
 
 
+def loss_bytes_per_logit(loss: str, act_bytes: float) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
+    """(saved, forward temporaries, backward temporaries) in bytes per logit element for a loss
+    of kind ``loss`` (:attr:`Implementation.loss`) over logits of ``act_bytes`` bytes; the
+    temporaries one entry per tensor (the caching allocator places each on its own).
+
+    - ``eager-fp32``: the forward holds the logits (``act_bytes``, the caller's until the loss
+      returns), their fp32 copy (4, none when they are fp32 already: ``.float()`` returns the
+      tensor itself) and the log-softmax output (4, saved); the backward holds the saved output,
+      ``nll_loss_backward``'s dense fp32 gradient (4) and ``_log_softmax_backward_data``'s
+      output (4) at once; the cast back to ``act_bytes`` comes after the first two are freed.
+    - ``vocab-parallel``: the forward holds the logits and the fp32 copy that becomes the saved
+      softmax; the backward writes the gradient into the saved softmax and autograd casts it to
+      the logits' dtype (``act_bytes`` more when that is not fp32).
+    """
+    fp32 = 4.0
+    cast = (act_bytes,) if act_bytes < fp32 else ()
+    if loss == "vocab-parallel":
+        return fp32, cast, cast
+    assert loss == "eager-fp32", loss
+    return fp32, (act_bytes, *((fp32,) if act_bytes < fp32 else ())), (fp32, fp32)
+
+
 def buckets(tensors: Sequence[float], bucket_elements: float) -> int:
     """Buckets that whole tensors fill in order, each closed once it holds ``bucket_elements``
     (DeepSpeed's prefetch batches, Megatron's ``_ParamAndGradBuffer`` bucket layout). A
@@ -290,7 +323,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "reduce_scatter_tensor per unit from background threads into pre-allocated buffers",
     ),
     "megatron-2021": Implementation(
-        name="megatron-2021", collective_call_s=COLLECTIVE_CALL_2021_S, grad_reduce_overlap=False,
+        name="megatron-2021", loss="vocab-parallel", collective_call_s=COLLECTIVE_CALL_2021_S, grad_reduce_overlap=False,
         whole_buffer_step_reduce=True, sync_after_p2p=True,
         source=f"{_MEG}@v2.5:megatron/model/distributed.py::DistributedDataParallel.allreduce_gradients "
                "(one all-reduce of the whole fp32 gradient buffer after the backward), "
@@ -299,7 +332,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "megatron/mpu/mappings.py (TP all-reduces, repeated by the recompute)",
     ),
     "megatron-core": Implementation(
-        name="megatron-core", reduce="bucket", reduce_bucket_elements=4e7,
+        name="megatron-core", loss="vocab-parallel", reduce="bucket", reduce_bucket_elements=4e7,
         source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
                "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
                "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward)",

@@ -44,6 +44,7 @@ from hzpsim.model.kernels import Attention, Gemm, Shape
 from hzpsim.model.ops import MemoryDelta, Ranks, memory_delta
 from hzpsim.model.training import Training
 from hzpsim.strategies._dims import ParallelDims
+from hzpsim.strategies._implementations import Implementation, loss_bytes_per_logit
 from hzpsim.strategies._layers import Work
 from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, ShardedParams, Use
 
@@ -74,6 +75,11 @@ class MPUnit:
     """Activations kept from the forward to the backward."""
     recompute_bytes: float = 0.0
     """Activations rebuilt by the recompute, held during the backward."""
+    forward_temps: tuple[float, ...] = ()
+    """Eager temporaries alive only while the forward runs, bytes per tensor (the loss's logits
+    and their fp32 copy): taken when it starts, returned when it ends."""
+    backward_temps: tuple[float, ...] = ()
+    """Eager temporaries alive only while the backward runs (the loss's fp32 gradients)."""
     tp_bytes: float = 0.0
     """One TP collective's buffer (b·s/c·h elements in the activation dtype; the full buffer of
     a sequence-parallel all-gather or reduce-scatter); 0 without TP."""
@@ -185,8 +191,14 @@ def _gemms(linears: Sequence[tuple[int, int, str]], tokens: float, t: int) -> li
 _FUSED_BY_COMPILE = {"norms": 1.0, "residual_adds": 2.0 / 3.0, "dropouts": 1.0 / 5.0}
 
 
-def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit]:
-    """Units (embedding, layers, head) as one model-parallel rank holds and runs them."""
+def mp_units(model: Model, training: Training, deg: ParallelDims,
+             implementation: Implementation | None = None) -> list[MPUnit]:
+    """Units (embedding, layers, head) as one model-parallel rank holds and runs them.
+
+    ``implementation`` sets what the loss keeps and its eager temporaries
+    (:func:`~hzpsim.strategies._implementations.loss_bytes_per_logit`); None: the fp32
+    log-softmax only and no temporaries, the least any implementation holds (the search's
+    memory bound)."""
     t, c = deg.tp, deg.cp
     b = training.micro_batch_size
     tokens = b * model.seq_len
@@ -334,10 +346,20 @@ def mp_units(model: Model, training: Training, deg: ParallelDims) -> list[MPUnit
     # cast to fp32 reads 2 and writes 4, log-softmax reads 4 and writes 4 (kept for the
     # backward); backward: its gradient reads 4 and writes 4, the cast to bf16 reads 4, writes 2.
     elements = local * vocab / t
+    # the loss runs on the gathered logits where the implementation gathers them
+    loss_elements = local * vocab if t > 1 and implementation is not None and implementation.tp_gathers_logits else elements
+    forward_temps: tuple[float, ...]
+    backward_temps: tuple[float, ...]
+    if implementation is None:
+        kept, forward_temps, backward_temps = 4.0, (), ()
+    else:
+        kept, forward_temps, backward_temps = loss_bytes_per_logit(implementation.loss, act)
     units.append(MPUnit(
         name="head", dense_params=(model.head_params() / t) + model.final_norm_params(),
         pre=Work.of([head_gemm], 16 * elements),
-        backward=Work.of(list(head_gemm.backward()), 14 * elements), activation_bytes=4 * elements,
+        backward=Work.of(list(head_gemm.backward()), 14 * elements), activation_bytes=kept * loss_elements,
+        forward_temps=tuple(b * loss_elements for b in forward_temps),
+        backward_temps=tuple(b * loss_elements for b in backward_temps),
         tp_bytes=tp_bytes, **_tp_calls("head", 1, deg, mode), p2p_bytes=p2p_bytes,
         tp_logits_bytes=local * vocab * act if t > 1 else 0.0,
         tp_sp_params=model.final_norm_params() if t > 1 and deg.sequence_parallel else 0.0,
@@ -375,6 +397,9 @@ def merge_units(units: Sequence[MPUnit]) -> MPUnit:
         name=f"{units[0].name}-{units[-1].name}", dense_params=0.0, pre=pre + post, backward=total("backward"),
         activation_bytes=sum(u.activation_bytes for u in units),
         recompute_bytes=max(u.recompute_bytes for u in units), tp_bytes=tp_bytes,
+        # the units' temporaries live one unit at a time
+        forward_temps=max((u.forward_temps for u in units), key=sum),
+        backward_temps=max((u.backward_temps for u in units), key=sum),
         **tp_counts, p2p_bytes=units[-1].p2p_bytes,
         tp_logits_bytes=sum(u.tp_logits_bytes for u in units),
         kernels_forward=sum(u.kernels_forward for u in units), kernels_backward=sum(u.kernels_backward for u in units),
@@ -528,11 +553,14 @@ def _pass_memory(unit: MPUnit, forward_buffers_freed: float = 0.0, backward_buff
                  backward_buffers_freed: float = 0.0) -> _PassMemory:
     """``unit``'s activations, plus the buffer bytes (gathered parameters, full gradients) that
     its sharded parameters free after the forward, take for the backward and free after it."""
+    forward_temps = tuple(("temporaries", b) for b in unit.forward_temps if b)
+    backward_temps = tuple(("temporaries", b) for b in unit.backward_temps if b)
     return _PassMemory(
-        memory_delta({"activations": unit.activation_bytes}),
-        memory_delta({"buffers": forward_buffers_freed} if forward_buffers_freed else None),
-        memory_delta({"activations": unit.recompute_bytes, "buffers": backward_buffers_taken}),
-        memory_delta({"activations": unit.activation_bytes + unit.recompute_bytes, "buffers": backward_buffers_freed}),
+        memory_delta({"activations": unit.activation_bytes}) + forward_temps,
+        forward_temps + memory_delta({"buffers": forward_buffers_freed}),
+        memory_delta({"activations": unit.recompute_bytes, "buffers": backward_buffers_taken}) + backward_temps,
+        backward_temps + memory_delta({"activations": unit.activation_bytes + unit.recompute_bytes,
+                                       "buffers": backward_buffers_freed}),
     )
 
 

@@ -159,7 +159,8 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
                     meta={"pp": d.pp, "vpp": d.vpp, "tp": d.tp, "dp": lay.dp, "cp": d.cp, "ep": d.ep,
                           "num_micro_batches": m, "layers_per_virtual_stage": list(lay.layers_per_virtual_stage),
                           **({"compute_slowdown": factors} if factors else {})})
-    units = mp_units(model, training, d)
+    plan = schedule(config)
+    units = mp_units(model, training, d, plan.implementation)
     # units of each virtual stage: embedding on the first, head on the last
     bounds: list[list[int]] = []
     start = 1
@@ -168,7 +169,6 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
         start += count
     bounds[0].insert(0, 0)
     bounds[-1].append(len(units) - 1)
-    plan = schedule(config)
     plan = replace(plan, implementation=plan.implementation.on_device(topology.device))  # measured host costs
     stages = [_Stage(graph=graph, lanes=lanes, rank=s, lay=lay, bounds=bounds, units=units, training=training,
                      schedule=plan, zero_stage=config.zero_stage)

@@ -1,0 +1,123 @@
+"""The caching-allocator replay (hzpsim/sim/allocator.py), the loss's eager temporaries and the
+memory keys of the report: allocated vs reserved vs what the device has."""
+
+from __future__ import annotations
+
+import pytest
+
+from hzpsim.sim.allocator import (
+    LARGE_BUFFER_BYTES,
+    SMALL_BUFFER_BYTES,
+    CachingAllocator,
+    communicators,
+    replay,
+    round_size,
+    segment_size,
+)
+from hzpsim.strategies._implementations import loss_bytes_per_logit
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def test_rounding_and_segment_sizes_follow_the_caching_allocator():
+    assert round_size(1) == 512 and round_size(513) == 1024
+    assert segment_size(round_size(100)) == SMALL_BUFFER_BYTES  # <= 1 MiB: a 2 MiB small segment
+    assert segment_size(5 * MiB) == LARGE_BUFFER_BYTES  # < 10 MiB: a 20 MiB segment
+    assert segment_size(11 * MiB + 1) == 12 * MiB  # larger: rounded up to 2 MiB
+
+
+def test_a_freed_block_is_reused_and_a_larger_request_leaves_a_hole():
+    """The loss's pattern: the forward frees a 2-unit and a 4-unit block; the backward asks for
+    two 4-unit blocks: one takes the freed 4, the other needs a new segment, the 2 stays a hole."""
+    a = CachingAllocator()
+    a.malloc(0, 2 * GiB)
+    a.malloc(1, 4 * GiB)
+    a.release(0)
+    a.release(1)
+    assert a.reserved == 6 * GiB and a.allocated == 0
+    a.malloc(2, 4 * GiB)
+    assert a.reserved == 6 * GiB  # reused
+    a.malloc(3, 4 * GiB)
+    assert a.reserved == 10 * GiB and a.allocated == 8 * GiB  # the 2 GiB hole could not serve it
+
+
+def test_blocks_split_and_merge_back():
+    a = CachingAllocator()
+    a.malloc(0, 100 * MiB)
+    a.release(0)
+    a.malloc(1, 30 * MiB)
+    a.malloc(2, 30 * MiB)  # split from the same segment: no new one
+    assert a.reserved == 100 * MiB
+    a.release(1)
+    a.release(2)
+    a.malloc(3, 100 * MiB)  # the halves merged back into the whole segment
+    assert a.reserved == 100 * MiB
+
+
+def test_at_capacity_cached_segments_are_given_back_before_running_out():
+    events = [(0.0, "temporaries", 6 * GiB), (1.0, "temporaries", -6 * GiB), (2.0, "activations", 8 * GiB)]
+    free = replay({}, events)
+    assert free.peak_reserved_bytes == 14 * GiB and not free.out_of_memory
+    capped = replay({}, events, capacity_bytes=10 * GiB)
+    assert not capped.out_of_memory and capped.peak_reserved_bytes == 8 * GiB
+    assert replay({}, events, capacity_bytes=7 * GiB).out_of_memory
+
+
+def test_expandable_segments_leave_no_holes():
+    events = [(0.0, "temporaries", 2 * GiB), (0.0, "temporaries", 4 * GiB), (1.0, "temporaries", -2 * GiB),
+              (1.0, "temporaries", -4 * GiB), (2.0, "temporaries", 4 * GiB), (2.0, "temporaries", 4 * GiB)]
+    assert replay({}, events).peak_reserved_bytes == 10 * GiB
+    assert replay({}, events, expandable_segments=True).peak_reserved_bytes == 8 * GiB
+
+
+def test_communicators_count_distinct_groups_with_the_rank():
+    groups = [range(0, 8), (0, 1), (0, 1), (2, 3), (0,)]
+    assert communicators(groups, 0) == 2 and communicators(groups, 5) == 1
+
+
+def test_loss_temporaries_by_implementation():
+    # eager fp32 cross-entropy over bf16 logits: logits + fp32 copy in the forward, two fp32
+    # gradients beside the saved log-softmax in the backward
+    assert loss_bytes_per_logit("eager-fp32", 2) == (4.0, (2, 4.0), (4.0, 4.0))
+    assert loss_bytes_per_logit("eager-fp32", 4) == (4.0, (4,), (4.0, 4.0))  # .float() is a no-op
+    # Megatron's vocab-parallel loss works in place: only the bf16 logits and their bf16 gradient
+    assert loss_bytes_per_logit("vocab-parallel", 2) == (4.0, (2,), (2,))
+
+
+def _report(**cluster):
+    from hzpsim.run import run_choice
+    from hzpsim.scenario import scenario_from_mapping
+
+    sc = scenario_from_mapping({
+        "model": {"preset": "llama3-8b", "seq_len": 4096}, "training": {"global_batch_size": 8, "micro_batch_size": 1},
+        "cluster": {"preset": "dgx-h100", **cluster}, "strategy": {"name": "zero", "stage": 3, "implementation": "fsdp2"}})
+    return run_choice(sc, sc.strategies[0])
+
+
+def test_report_memory_keys_tell_allocated_reserved_overhead_and_headroom():
+    r = _report()
+    logits = 4096 * 128256  # one sequence's logits
+    # the loss's fp32 gradients are what the peak holds beyond the saved activations
+    assert r["memory_breakdown_bytes"]["temporaries"] == pytest.approx(8 * logits)
+    assert r["peak_memory_allocated_bytes"] < r["peak_memory_reserved_bytes"] == r["peak_memory_bytes"]
+    assert r["device_overhead_bytes"] == pytest.approx(300e6 + 1.3e9)  # context + one communicator
+    assert r["memory_headroom_bytes"] == pytest.approx(
+        r["memory_capacity_bytes"] - r["device_overhead_bytes"] - r["peak_memory_reserved_bytes"])
+    assert r["fits_in_memory"]
+    # asking for more headroom than is left makes it not fit; expandable segments reserve less
+    assert not _report(min_memory_headroom_bytes=r["memory_headroom_bytes"] + 1)["fits_in_memory"]
+    assert _report(expandable_segments=True)["peak_memory_reserved_bytes"] < r["peak_memory_reserved_bytes"]
+
+
+@pytest.mark.parametrize("setting, key", [
+    ("cluster.device_memory_bytes=1e9", "device_memory_bytes"),
+    ("cluster.min_memory_headroom_bytes=-1", "min_memory_headroom_bytes"),
+    ("cluster.expandable_segments=3", "expandable_segments"),
+])
+def test_bad_memory_settings_exit_2_naming_the_key(capsys, setting, key):
+    from hzpsim.cli import main
+
+    assert main(["run", "--set", "cluster.device=h100-sxm", "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert key in err and "Traceback" not in err

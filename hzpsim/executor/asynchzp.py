@@ -41,7 +41,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from hzpsim.config import ScenarioError
 from hzpsim.executor import counting
 from hzpsim.executor import model as tmodel
-from hzpsim.executor.common import clip_coefficient, cross_entropy, local_batch, micro_batches, scalar
+from hzpsim.executor.common import (
+    clip_coefficient,
+    cross_entropy,
+    local_batch,
+    micro_batches,
+    scalar,
+)
 from hzpsim.executor.spec import RunSpec
 
 

@@ -132,7 +132,9 @@ def spec_for(name: str, model: Model, world_size: int = 8, micro_batches: int = 
 def _fake_process_group(world: int) -> None:
     """A fake process group of ``world`` ranks, this process rank 0 (replacing an earlier fake
     one of another size; a real one is an error)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+    from torch.testing._internal.distributed.fake_pg import (
+        FakeStore,  # registers the "fake" backend
+    )
 
     if dist.is_initialized():
         if dist.get_backend() != "fake":

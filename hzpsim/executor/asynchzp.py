@@ -36,11 +36,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from hzpsim.config import ScenarioError
 from hzpsim.executor import counting
 from hzpsim.executor import model as tmodel
-from hzpsim.executor.common import clip_coefficient, cross_entropy, local_batch, micro_batches
+from hzpsim.executor.common import (
+    clip_coefficient,
+    cross_entropy,
+    local_batch,
+    micro_batches,
+    scalar,
+)
 from hzpsim.executor.spec import RunSpec
 
 
@@ -69,11 +76,38 @@ def _group_members(role: str, rank: int, n: int, p: int, g: int, o: int) -> list
     raise AssertionError(role)
 
 
-class _Stream:
-    """One background communication thread with its own process groups."""
+def _storage_key(t: torch.Tensor) -> int:
+    """Which storage ``t`` lives in: its data pointer; for a fake tensor (memory measurement,
+    :mod:`hzpsim.executor.memtrack`), whose data pointer is 0, its storage object's address."""
+    st = t.untyped_storage()
+    return st._cdata if isinstance(t, FakeTensor) else st.data_ptr()
 
-    def __init__(self, name: str, roles: dict[str, list[list[int]]], rank: int) -> None:
+
+def _to_meta(module: nn.Module) -> None:
+    """``module.to("meta")`` (its parameters live in the flat shards now). ``Module.to`` cannot
+    swap fake-tensor parameters (memory measurement, :mod:`hzpsim.executor.memtrack`): those are
+    replaced by meta parameters of the same shapes."""
+    if not any(isinstance(p, FakeTensor) for p in module.parameters()):
+        module.to("meta")
+        return
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is not None:
+                    sub._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                         requires_grad=p.requires_grad)
+
+
+class _Stream:
+    """One background communication thread with its own process groups; ``inline`` runs each
+    submitted task at once on the caller's thread instead (memory measurement only,
+    :mod:`hzpsim.executor.memtrack`: its trackers see the calling thread alone)."""
+
+    def __init__(self, name: str, roles: dict[str, list[list[int]]], rank: int, inline: bool = False) -> None:
         self.name = name
+        self.inline = inline
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hzp-{name}")
         self.groups: dict[str, dist.ProcessGroup | None] = {}
         for role, groups in roles.items():
@@ -85,13 +119,22 @@ class _Stream:
             self.groups[role] = mine
 
     def submit(self, fn) -> Future:
-        return self.pool.submit(fn)
+        if not self.inline:
+            return self.pool.submit(fn)
+        future: Future = Future()
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)
+        return future
 
 
 class AsyncHZPTrainer:
     """Hierarchical sharding with background all-gather / reduce-scatter threads."""
 
-    def __init__(self, spec: RunSpec, device: torch.device) -> None:
+    def __init__(self, spec: RunSpec, device: torch.device, inline: bool = False) -> None:
+        """``inline``: run the communication threads' work synchronously on the training thread
+        (for :mod:`hzpsim.executor.memtrack`; the normal runs use the background threads)."""
         self.spec, self.device = spec, device
         self.n, self.rank = spec.world_size, dist.get_rank()
         p, g, o = spec.group_sizes()
@@ -116,7 +159,7 @@ class AsyncHZPTrainer:
             w = full.view(p, -1)[r % p].clone().to(device)
             gr = torch.zeros(numel // g, dtype=torch.float32, device=device)
             master = nn.Parameter(full.view(o, -1)[self.opt_index].clone().to(device))
-            module.to("meta")
+            _to_meta(module)
             self.units.append(_Unit(module, [k for k, _ in named], [t.shape for _, t in named], offsets, numel,
                                     w, gr, master))
         self._check_layout()
@@ -125,14 +168,14 @@ class AsyncHZPTrainer:
         depth = spec.layout.prefetch_depth
         self.gather_slots = [torch.zeros(largest, device=device) for _ in range(depth + 1)] if p > 1 else []
         self.reduce_slots = [torch.zeros(largest, device=device) for _ in range(spec.layout.reduce_buffers)]
-        self._slot_of_ptr = {s.untyped_storage().data_ptr(): i for i, s in enumerate(self.gather_slots)}
+        self._slot_of_ptr = {_storage_key(s): i for i, s in enumerate(self.gather_slots)}
         roles = {role: _group_members(role, r, self.n, p, g, o) for role in ("param", "grad", "step_rs", "step_ag", "replica")}
         if spec.layout.asynchronous:
-            self.ag = _Stream("ag", {"param": roles["param"], "step_ag": roles["step_ag"]}, r)
-            self.rs = _Stream("rs", {"grad": roles["grad"]}, r)
-            self.dp = _Stream("dp", {"step_rs": roles["step_rs"], "replica": roles["replica"]}, r)
+            self.ag = _Stream("ag", {"param": roles["param"], "step_ag": roles["step_ag"]}, r, inline)
+            self.rs = _Stream("rs", {"grad": roles["grad"]}, r, inline)
+            self.dp = _Stream("dp", {"step_rs": roles["step_rs"], "replica": roles["replica"]}, r, inline)
         else:
-            self.ag = self.rs = self.dp = _Stream("comm", roles, r)
+            self.ag = self.rs = self.dp = _Stream("comm", roles, r, inline)
         self.params_ready = [threading.Event() for _ in self.units]
         for event in self.params_ready:
             event.set()
@@ -343,12 +386,12 @@ class _StepRun:
             loss = cross_entropy(h, yb) / m
             (loss / self.t.n).backward()
         self.flush(mb, -1)
-        return float(loss.item())
+        return scalar(loss)
 
     # saved tensors that live in a gather slot are re-read from the backward's gather
     def _pack(self, t: torch.Tensor):
         if self.t.p > 1:
-            slot = self.t._slot_of_ptr.get(t.untyped_storage().data_ptr())
+            slot = self.t._slot_of_ptr.get(_storage_key(t))
             if slot is not None:
                 return ("slot", self.unit_of_slot[slot], t.storage_offset(), tuple(t.shape), t.stride())
         return t

@@ -53,6 +53,25 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``module.to(device)``, skipped when every parameter is already there (a no-op for real
+    tensors; :mod:`hzpsim.executor.memtrack` builds fake-tensor models, which ``Module.to``
+    cannot swap in place)."""
+    if all(p.device == device for p in module.parameters()):
+        return module
+    return module.to(device)
+
+
+def scalar(t: torch.Tensor) -> float:
+    """``t.item()``; NaN for a fake tensor (:mod:`hzpsim.executor.memtrack` runs steps under
+    ``FakeTensorMode``, where a tensor has no value)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if is_fake(t):
+        return float("nan")
+    return t.item()
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; a plain tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t

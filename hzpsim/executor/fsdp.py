@@ -24,6 +24,8 @@ from hzpsim.executor.common import (
     local,
     local_batch,
     micro_batches,
+    on_device,
+    scalar,
 )
 from hzpsim.executor.spec import RunSpec
 
@@ -48,7 +50,7 @@ class FSDPTrainer(TorchOptimizerStates):
             self.replicas = 1
             mesh = init_device_mesh(device.type, (n,), mesh_dim_names=("shard",))
         reshard = spec.layout.stage != 2
-        net = tmodel.build(spec.model, spec.seed).to(device)
+        net = on_device(tmodel.build(spec.model, spec.seed), device)
         for unit in net.units():
             for module in unit.modules():
                 if isinstance(module, tmodel.Experts):
@@ -69,7 +71,7 @@ class FSDPTrainer(TorchOptimizerStates):
                 self.net.set_requires_all_reduce(i == len(chunks) - 1)  # type: ignore[operator]
             loss = cross_entropy(self.net(xb), yb) / len(chunks)
             loss.backward()
-            total += loss.item()
+            total += scalar(loss)
         grads = [p.grad for p in self.net.parameters() if p.grad is not None]
         local_grads = [local(g) for g in grads]
         sq = torch.stack([g.pow(2).sum() for g in local_grads]).sum() / self.replicas

@@ -28,6 +28,8 @@ from hzpsim.executor.common import (
     clip_coefficient,
     cross_entropy,
     micro_batches,
+    on_device,
+    scalar,
     tensor_bytes,
 )
 from hzpsim.executor.spec import RunSpec
@@ -82,7 +84,11 @@ def _tensor_parallel(units: list[nn.Module], mesh) -> None:
 class NDTrainer:
     """TP (+SP) x PP x DP."""
 
-    def __init__(self, spec: RunSpec, device: torch.device) -> None:
+    def __init__(self, spec: RunSpec, device: torch.device, static_pipeline_shapes: bool = False) -> None:
+        """``static_pipeline_shapes``: give every pipeline stage its input and output shapes up
+        front (``PipelineStage``'s static mode) instead of the first step's shape-inference
+        handshake between stages, which a fake process group cannot answer
+        (:mod:`hzpsim.executor.memtrack`; the normal runs infer them)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         self.spec, self.device = spec, device
@@ -98,7 +104,7 @@ class NDTrainer:
         assert coord is not None
         self.pp_rank, self.dp_rank, self.tp_rank = coord
         self.tp, self.pp, self.vpp, self.dp = tp, pp, vpp, dp
-        net = tmodel.build(spec.model, spec.seed).to(device)
+        net = on_device(tmodel.build(spec.model, spec.seed), device)
         layers = list(net.layers)
         virtual = pp * vpp
         per = len(layers) // virtual
@@ -130,14 +136,24 @@ class NDTrainer:
             )
 
             group = self.mesh["pp"].get_group()
-            stages: list[Any] = [PipelineStage(module, v, virtual, device, group=group)
-                      for module, v in zip(self.stage_modules, self.stage_ids)]
+            shapes = [self._stage_shapes(v, virtual) if static_pipeline_shapes else {} for v in self.stage_ids]
+            stages: list[Any] = [PipelineStage(module, v, virtual, device, group=group, **shape)
+                                 for module, v, shape in zip(self.stage_modules, self.stage_ids, shapes)]
             m = spec.num_micro_batches
             if vpp > 1:
                 self.schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=cross_entropy)
             else:
                 self.schedule = Schedule1F1B(stages[0], n_microbatches=m, loss_fn=cross_entropy)
         self.states: dict[str, int] = {}
+
+    def _stage_shapes(self, v: int, virtual: int) -> dict[str, torch.Tensor]:
+        """Example (meta) input and output of virtual stage ``v`` for one micro-batch: tokens
+        into the first, sequence-sharded hidden states between stages, full logits out of the last."""
+        m, b = self.spec.model, self.spec.micro_batch_size
+        hidden = torch.empty(b, m.seq_len // self.tp, m.hidden_size, device="meta", requires_grad=True)
+        first = torch.empty(b, m.seq_len, dtype=torch.long, device="meta")
+        last = torch.empty(b, m.seq_len, m.vocab_size, device="meta", requires_grad=True)
+        return {"input_args": first if v == 0 else hidden, "output_args": last if v == virtual - 1 else hidden}
 
     def _replicas(self, p: torch.Tensor) -> int:
         """Ranks holding an identical copy of this rank's piece of ``p``."""
@@ -162,14 +178,14 @@ class NDTrainer:
             else:
                 self.schedule.step(**kwargs)
             if self.is_last:
-                loss_value = float(torch.stack([t.detach() for t in losses]).mean())
+                loss_value = scalar(torch.stack([t.detach() for t in losses]).mean())
         else:
             chunks = micro_batches(x, y, spec.micro_batch_size)
             loss_value = 0.0
             for xb, yb in chunks:
                 loss = cross_entropy(self.stage_modules[0](xb), yb) / len(chunks)
                 loss.backward()
-                loss_value += loss.item()
+                loss_value += scalar(loss)
         self._reduce_partial_tensor_parallel()
         self._reduce_data_parallel()
         params = [p for u in self.units for p in u.parameters() if p.grad is not None]

@@ -159,6 +159,8 @@ def device_memory(trace: Trace) -> dict[str, Any]:
     for r in graph.weights:
         allocated, breakdown = memory_peak(trace, r)
         static = resident_memory(trace, r)
+        if graph.cached_memory[r]:  # stranded in communication streams' pools: reserved only
+            static["cached"] = graph.cached_memory[r]
         overhead = device.context_bytes + device.communicator_bytes * communicators(groups, r)
         room = device.memory_bytes - overhead
         events = trace.memory_events[r]

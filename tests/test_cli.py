@@ -393,7 +393,7 @@ def test_every_command_is_one_module_registered_one_way():
     assert all(callable(c.register) for c in cli.COMMANDS)
     found = dict(_runnable_parsers(cli.make_parser()))
     assert {" ".join(words) for words in found} == {
-        "run", "compare", "search", "regress", "validate published", "validate executor", "execute",
+        "run", "compare", "search", "regress", "validate published", "validate executor", "validate memory", "execute",
         "calibrate machine", "calibrate published", "calibrate measured", "list"}
     for words, parser in found.items():
         assert callable(parser.get_default("handler")), words

@@ -224,6 +224,7 @@ GPT = Model(
 )  # MHA, GELU, ffn = 4h: the model Korthikanti's Table 2 assumes
 S, B, H, A = 2048, 4, 1024, 16
 SBH = S * B * H
+LSE = 4 * A * S * B  # flash attention's softmax statistics: one fp32 per head and token
 
 
 def test_korthikanti_table2_no_parallelism():
@@ -259,8 +260,9 @@ def test_korthikanti_full_recompute_and_flash():
         GPT.activation_bytes_per_layer(0, B, tp=8, sequence_parallel=True, recompute="full")
         == 2 * SBH / 8
     )
-    # A flash-attention kernel stores no s×s matrix: the 5as²b term goes, 34sbh remains.
-    assert GPT.activation_bytes_per_layer(0, B) == 34 * SBH
+    # A flash-attention kernel stores no s×s matrix: the 5as²b term goes, 34sbh remains, plus
+    # the kernel's fp32 log-sum-exp (4 bytes per head and token), which Korthikanti leaves out.
+    assert GPT.activation_bytes_per_layer(0, B) == 34 * SBH + LSE
     # Breakdown (Korthikanti §4.1): attention 11sbh, MLP 19sbh, two LayerNorms 4sbh
     terms = GPT.activation_terms_per_token(0)
     attn = sum(v for k, (v, _) in terms.items() if k.startswith("attn_"))
@@ -270,7 +272,7 @@ def test_korthikanti_full_recompute_and_flash():
 
 def test_context_parallel_divides_sequence():
     # With flash attention everything is linear in the local sequence s/cp.
-    assert GPT.activation_bytes_per_layer(0, B, cp=4) == 34 * SBH / 4
+    assert GPT.activation_bytes_per_layer(0, B, cp=4) == (34 * SBH + LSE) / 4
     # The score term: local queries (s/cp) against all s keys, 5·a·(s/cp)·s·b bytes.
     got = GPT.activation_bytes_per_layer(0, B, cp=4, flash_attention=False)
     assert got == 34 * SBH / 4 + 5 * A * (S / 4) * S * B
@@ -283,7 +285,7 @@ def test_activation_generalisation_gqa_swiglu_by_hand():
     m = load("llama2-70b")
     assert m.dropout is False
     h, f, s = 8192, 28672, 4096
-    per_token = 8 * h + (2 * h + 2 * 1024 * 2 + 2 * h) + 6 * f
+    per_token = 8 * h + (2 * h + 2 * 1024 * 2 + 2 * h) + 6 * f + 4 * 64  # + flash's fp32 log-sum-exp, 64 heads
     assert m.activation_bytes_per_layer(0, 1) == s * per_token
     assert m.activation_bytes_per_layer(0, 1, tp=8, sequence_parallel=True) == s * per_token / 8
 
@@ -295,14 +297,14 @@ def test_activation_moe_layer_by_hand():
     m = load("tiny-moe")
     h = 256
     rep = 10 * h + 16 + 2 * 2 * 2 * h
-    split = 2 * h + 2 * 2 * 128 + 2 * h + 2 * 6 * 344
+    split = 2 * h + 2 * 2 * 128 + 2 * h + 2 * 6 * 344 + 4 * 4  # + flash's fp32 log-sum-exp, 4 heads
     assert m.activation_bytes_per_layer(1, 2) == 128 * 2 * (rep + split)
     assert m.activation_bytes_per_layer(1, 2, tp=2) == 128 * 2 * (rep + split / 2)
 
 
 def test_no_dropout_removes_masks():
     no_drop = dataclasses.replace(GPT, dropout=False)
-    assert no_drop.activation_bytes_per_layer(0, B) == 32 * SBH
+    assert no_drop.activation_bytes_per_layer(0, B) == 32 * SBH + LSE
     # without dropout only the softmax output (2 bytes) of the s×s matrix is kept
     assert (
         no_drop.activation_bytes_per_layer(0, B, flash_attention=False)

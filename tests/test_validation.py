@@ -108,7 +108,8 @@ def test_runnable_rows_today_and_known_skips(cases):
 def test_mpt_fsdp_row_mapping(cases):
     c = cases[47]  # S09 MPT-7b on 8 H100, FSDP FULL_SHARD, amp bf16 (FSDP mp DEFAULT)
     m = c.scenario_mapping
-    assert m["strategy"] == {"name": "zero", "stage": 3, "implementation": "fsdp1"}
+    # LLM Foundry on FSDP1: FSDP1's collectives, flash-attn's fused cross-entropy (its default loss)
+    assert m["strategy"] == {"name": "zero", "stage": 3, "implementation": "llm-foundry"}
     assert m["cluster"] == {"device": "h100-sxm", "num_nodes": 1}
     assert m["model"]["position_embedding"] == "alibi" and m["model"]["mlp"] == "gelu"
     assert m["model"]["linear_bias"] is False and m["model"]["tied_embeddings"] is True
@@ -123,7 +124,7 @@ def test_mpt_fsdp_row_mapping(cases):
 def test_zero2_and_grand_teton_rows(cases):
     c = cases[39]
     assert c.scenario_mapping["strategy"] == {"name": "zero", "stage": 2, "overlap_param_gather": True,
-                                              "implementation": "fsdp1"}
+                                              "implementation": "llm-foundry"}
     t = cases[95]  # H100 96GB Grand Teton -> h100-sxm with a recorded caveat
     assert t.scenario_mapping["cluster"]["device"] == "h100-sxm"
     assert any("96GB" in x for x in t.caveats)

@@ -82,6 +82,19 @@ def format_breakdown(report: dict[str, Any]) -> str:
     return "  where the step goes: " + ", ".join(parts)
 
 
+def format_memory(report: dict[str, Any]) -> str:
+    """Where the memory goes at the peak: allocated by category, reserved, outside PyTorch, room left."""
+    gib = 2**30
+    parts = [f"{key} {size / gib:.1f}" for key, size in sorted(report["memory_breakdown_bytes"].items(), key=lambda kv: -kv[1])
+             if size >= 0.001 * report["peak_memory_allocated_bytes"]]
+    fits = "fits" if report["fits_in_memory"] else "does NOT fit"
+    return (f"  memory at the peak (GiB): allocated {report['peak_memory_allocated_bytes'] / gib:.1f} = "
+            + " + ".join(parts)
+            + f"; reserved {report['peak_memory_reserved_bytes'] / gib:.1f} (caching allocator); outside PyTorch "
+            f"{report['device_overhead_bytes'] / gib:.1f}; headroom {report['memory_headroom_bytes'] / gib:.1f} "
+            f"of {report['memory_capacity_bytes'] / gib:.1f}: {fits}")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     return _simulate(args, compare=False)
 
@@ -113,6 +126,7 @@ def _simulate(args: argparse.Namespace, compare: bool) -> int:
         for choice, (report, rows) in zip(scenario.strategies, results):
             print(f"{strategies.label(report['strategy_resolved'])}:", file=out)
             print(format_breakdown(report), file=out)
+            print(format_memory(report), file=out)
             if rows:
                 print(format_decisions(rows, budget_of(choice)), file=out)
             print(file=out)

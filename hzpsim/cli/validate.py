@@ -3,6 +3,7 @@
     hzpsim validate published --source S09 --max-devices 8     # hzpsim.validation
     hzpsim validate published --row 0 --row 52 --json
     hzpsim validate executor --world 4 --json                  # hzpsim.validation.executor (torch)
+    hzpsim validate memory --method cpu --json                 # hzpsim.validation.memory (torch)
 
 Nonsense options (``--max-rows 0``, ``--row`` past the CSV's end, an unknown ``--family`` or
 ``--source``, an unreadable ``--csv``, ``--strategies bogus``) exit 2 with one line
@@ -24,6 +25,7 @@ from hzpsim.calibration import profile as calibration
 from hzpsim.cli.options import add_profile, check_run_options
 from hzpsim.config import ScenarioError
 from hzpsim.executor.spec import SIMULATOR_STRATEGIES
+from hzpsim.validation import published_memory
 from hzpsim.validation.csvfile import rows_to_scenarios, select_cases
 from hzpsim.validation.mapping import STRATEGY_FAMILIES, Case
 from hzpsim.validation.run import summarize, validate_published
@@ -40,6 +42,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     executor = what.add_parser("executor", help="executor vs simulator on the same scenario")
     _executor_arguments(executor)
     executor.set_defaults(handler=_cmd_executor)
+    memory = what.add_parser("memory", help="simulated vs PyTorch-tracked peak allocated memory of the executor's strategies")
+    memory.add_argument("--strategies", default="zero,hsdp,nd,asynchzp",
+                        help="comma-separated: zero, hsdp, nd, asynchzp (default: all)")
+    memory.add_argument("--method", action="append", choices=("fake", "cpu"), dest="methods",
+                        help="fake (fake tensors, Llama-3-8B shape) and/or cpu (real tensors, reduced shape); "
+                             "repeatable (default: both)")
+    memory.add_argument("--seq-len", type=int, default=2048, help="sequence length of the fake-tensor runs (default 2048)")
+    memory.add_argument("--json", action="store_true", help="print the list of rows as JSON")
+    memory.set_defaults(handler=_cmd_memory)
 
 
 # -- validate published ------------------------------------------------------------------------
@@ -116,12 +127,15 @@ def main_published(
     """``hzpsim validate published``: print the table (or JSON {rows, summary}); exit code 0,
     2 (one line on stderr) when the CSV cannot be read or an option is nonsense."""
     out = out or sys.stdout
+    # the published memory rows are scored with the packaged CSV unless rows are picked by index
+    with_memory = csv_path is None and rows is None and max_rows is None
     try:
         try:
             cases = rows_to_scenarios(csv_path)
         except ScenarioError as exc:
             raise ScenarioError(f"--csv: {exc}") from None
-        check_options(cases, families, sources, max_rows, max_devices, rows)
+        memory = published_memory.memory_cases() if with_memory else []
+        check_options([*cases, *(c for c, _ in memory)], families, sources, max_rows, max_devices, rows)
         fit = None
         if profile is not None:
             try:
@@ -133,11 +147,20 @@ def main_published(
         return 2
     selected = select_cases(cases, families, sources, max_devices, max_rows, rows)
     df = validate_published(selected, profile=fit)
+    kept = {id(c) for c in select_cases([c for c, _ in memory], families, sources, max_devices)}
+    memory_df = published_memory.validate_memory([(c, r) for c, r in memory if id(c) in kept])
+    summary = summarize(df)
+    summary.update(published_memory.memory_summary(memory_df))
+    summary["false_oom_rows"] = published_memory.false_oom_rows([df, memory_df])
     if json:
         records = [{k: _jsonable(v) for k, v in r.items()} for r in df.to_dict("records")]
-        print(_json.dumps({"rows": records, "summary": summarize(df)}, indent=2), file=out)
+        memory_records = [{k: _jsonable(v) for k, v in r.items()} for r in memory_df.to_dict("records")]
+        print(_json.dumps({"rows": records, "memory_rows": memory_records, "summary": summary}, indent=2), file=out)
     else:
         print(format_validation(df), file=out)
+        if len(memory_df):
+            print(file=out)
+            print(published_memory.format_memory(memory_df, summary), file=out)
     return 0
 
 
@@ -183,4 +206,24 @@ def _cmd_executor(args: argparse.Namespace) -> int:
         print(_json.dumps(rows, indent=2, sort_keys=True))
     else:
         print(executor.format_table(rows))
+    return 0
+
+
+# -- validate memory ---------------------------------------------------------------------------
+
+
+def _cmd_memory(args: argparse.Namespace) -> int:
+    from hzpsim.executor import require_torch
+    from hzpsim.validation import memory
+
+    require_torch()
+    names = tuple(n.strip() for n in args.strategies.split(",") if n.strip())
+    unknown = [n for n in names if n not in memory.ENTRIES]
+    if not names or unknown:
+        raise ScenarioError(f"--strategies: unknown strategy {(unknown or [args.strategies])[0]!r} "
+                            f"(known: {', '.join(memory.ENTRIES)})")
+    if args.seq_len < 1:
+        raise ScenarioError(f"--seq-len: must be >= 1, got {args.seq_len}")
+    rows = memory.rows(tuple(args.methods or ("fake", "cpu")), names, args.seq_len)
+    print(_json.dumps(rows, indent=2, sort_keys=True) if args.json else memory.format_table(rows))
     return 0

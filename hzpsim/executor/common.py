@@ -8,7 +8,7 @@ The trainers (:mod:`~hzpsim.executor.reference`, :mod:`~hzpsim.executor.fsdp`,
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +53,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+def on_device(module: ModuleT, device: torch.device) -> ModuleT:
     """``module.to(device)``, skipped when every parameter is already there (a no-op for real
     tensors; :mod:`hzpsim.executor.memtrack` builds fake-tensor models, which ``Module.to``
     cannot swap in place)."""

@@ -63,13 +63,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hzpsim.executor import model as tmodel
-from hzpsim.executor.spec import Layout, RunSpec
+from hzpsim.executor.spec import MEMORY_ENTRIES, Layout, RunSpec, _layout_of
 from hzpsim.model import Model
 
 METHODS = ("fake", "cpu")
@@ -104,12 +105,9 @@ def small(seq_len: int = 256, layers: int = 4, hidden: int = 256, vocab: int = 8
 
 
 MEMORY_STRATEGIES: dict[str, tuple[str, Layout]] = {
-    "zero": ("zero", Layout(stage=3)),
-    "hsdp": ("hsdp", Layout(shard_group_size=4)),
-    "nd": ("nd", Layout(tp=2, pp=2)),
-    "asynchzp": ("asynchzp", Layout(param_group_size=2, grad_group_size=2, optim_group_size=4)),
-}
-"""The strategies ``validate memory`` measures by default, for 8 ranks."""
+    name: _layout_of(entry["name"], SimpleNamespace(**entry)) for name, entry in MEMORY_ENTRIES.items()}
+"""The strategies ``validate memory`` measures by default, for 8 ranks: ``spec.MEMORY_ENTRIES``
+as the executor runs them."""
 
 
 def spec_for(name: str, model: Model, world_size: int = 8, micro_batches: int = 4,

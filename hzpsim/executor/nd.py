@@ -136,7 +136,8 @@ class NDTrainer:
             )
 
             group = self.mesh["pp"].get_group()
-            shapes = [self._stage_shapes(v, virtual) if static_pipeline_shapes else {} for v in self.stage_ids]
+            shapes: list[dict[str, Any]] = [self._stage_shapes(v, virtual) if static_pipeline_shapes else {}
+                                            for v in self.stage_ids]
             stages: list[Any] = [PipelineStage(module, v, virtual, device, group=group, **shape)
                                  for module, v, shape in zip(self.stage_modules, self.stage_ids, shapes)]
             m = spec.num_micro_batches

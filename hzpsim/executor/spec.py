@@ -42,6 +42,15 @@ VALIDATION_STRATEGIES: tuple[dict[str, Any], ...] = (
 """The scenario entries ``hzpsim validate executor`` runs by default, for world size 4
 (:func:`fit_world` shrinks them for smaller worlds; ``examples/executor-world4.yaml``)."""
 
+MEMORY_ENTRIES: dict[str, dict[str, Any]] = {
+    "zero": {"name": "zero", "stage": 3},
+    "hsdp": {"name": "hsdp", "shard_group_size": 4},
+    "nd": {"name": "nd", "tp": 2, "pp": 2, "sequence_parallel": True},
+    "asynchzp": {"name": "asynchzp", "param_group_size": 2, "grad_group_size": 2, "optim_group_size": 4},
+}
+"""The scenario entries ``hzpsim validate memory`` compares, for 8 ranks: the layouts of
+``executor.memtrack.MEMORY_STRATEGIES``."""
+
 
 @dataclass(frozen=True)
 class Layout:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def activation_terms_per_token(
-    model: Model, i: int, act_bytes: int = 2
+    model: Model, i: int, act_bytes: int = 2, eager: bool = False
 ) -> dict[str, tuple[float, str]]:
     """Korthikanti-style stored-activation terms of layer ``i`` for one token.
 
@@ -33,6 +33,14 @@ def activation_terms_per_token(
     dropout masks are 1 byte per element. For an MHA/GELU/ffn=4h model with dropout this
     gives replicated 10h and split 24h, i.e. Korthikanti's 34h = attention 11h + MLP 19h +
     norms 4h. The s×s attention-score term is separate (see activation_bytes_per_layer).
+
+    ``eager``: the layer as eager PyTorch model code runs it (torchtitan's and Hugging Face's
+    Llama, hzpsim's executor) instead of Megatron's fused modules; autograd then also keeps, per
+    token (measured with saved-tensor hooks on the executor's block, ``docs/memory.md``): each
+    RMSNorm's normalised input before the weight (B·h, saved by ``mul(x_hat, weight)``) and its
+    fp32 reciprocal RMS (4 bytes, ``RsqrtBackward0``); K and V after ``repeat_kv`` at every
+    query head instead of the KV heads (what SDPA receives); and SwiGLU's SiLU output besides
+    its input (``mul`` saves both operands: 4·B·f in all).
     """
     h, a, B = model.hidden_size, model.num_heads, act_bytes
     mask = 1 if model.dropout else 0
@@ -50,6 +58,13 @@ def activation_terms_per_token(
         "attn_proj_input": (B * a * d_v, "split"),
         "attn_dropout_mask": (mask * h, "replicated"),
     }
+    if eager and model.norm == "rmsnorm":
+        terms["norm_eager"] = (2 * (B * h + 4), "replicated")
+    elif eager:  # native_layer_norm keeps its input's fp32 mean and rstd
+        terms["norm_eager"] = (2 * 8, "replicated")
+    if eager and model.mla is None and kv < a:  # repeat_kv: K and V at every query head
+        terms["attn_k"] = (B * a * d_qk, "split")
+        terms["attn_v"] = (B * a * d_v, "split")
     if model.mla is not None:
         # Latent tensors: norm input and up-projection input for each compressed path
         # (the down-projections are not tensor-parallel in Megatron).
@@ -59,7 +74,7 @@ def activation_terms_per_token(
     # MLP block (Korthikanti 19sbh for GELU, ffn=4h): input B·h, dropout mask h, and the
     # intermediate tensors: GELU keeps fc1 output and GELU output (2·B·f); SwiGLU keeps
     # gate and up outputs and their product (3·B·f).
-    per_ffn = 3 if model.mlp == "swiglu" else 2
+    per_ffn = (4 if eager else 3) if model.mlp == "swiglu" else 2
     terms["mlp_input"] = (B * h, "replicated")
     terms["mlp_dropout_mask"] = (mask * h, "replicated")
     if model.is_moe_layer(i):
@@ -128,6 +143,8 @@ def activation_bytes_per_layer(
     cp: int = 1,
     act_bytes: int = 2,
     float8: bool = False,
+    eager: bool = False,
+    gathered_inputs: bool = False,
 ) -> float:
     """Activation bytes layer ``i`` keeps for its backward, per device (Korthikanti Table 2).
 
@@ -146,6 +163,12 @@ def activation_bytes_per_layer(
       sequence parallelism), the router's logits, and with flash attention the kernel's
       output and its fp32 log-sum-exp (4·a/t bytes).
     - full: only the layer input, act_bytes·s·b·h (/t with sequence parallel) = 2sbh.
+
+    With flash attention (none, selective) the kernel's fp32 log-sum-exp is kept too (4·a/t
+    bytes per token). ``eager``: see :func:`activation_terms_per_token`. ``gathered_inputs``:
+    under sequence parallelism the column-parallel linears keep the all-gathered input (the QKV
+    and MLP inputs whole on every TP rank), as DTensor's ``PrepareModuleInput`` +
+    ``ColwiseParallel`` do, instead of Megatron's sequence shard gathered again in the backward.
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute: {recompute!r} is not one of: {', '.join(RECOMPUTE_MODES)}")
@@ -176,12 +199,17 @@ def activation_bytes_per_layer(
             per_token += (act_bytes * model.num_heads * model.v_head_dim_resolved + 4 * model.num_heads) / tp
         return sb * per_token
     replicated = split = 0.0
-    for per_token, kind in activation_terms_per_token(model, i, act_bytes).values():
-        if kind == "replicated":
+    whole = 0.0
+    for name, (per_token, kind) in activation_terms_per_token(model, i, act_bytes, eager).items():
+        if gathered_inputs and sequence_parallel and name in ("attn_qkv_input", "mlp_input"):
+            whole += per_token
+        elif kind == "replicated":
             replicated += per_token
         else:
             split += per_token
-    total = sb * (replicated / rep_div + split / tp)
+    total = sb * (whole + replicated / rep_div + split / tp)
+    if flash_attention:  # the kernel's softmax statistics (FlashAttention's logsumexp, fp32)
+        total += sb * 4 * model.num_heads / tp
     if recompute == "none" and not flash_attention:
         per_score = (2 * act_bytes + 1) if model.dropout else act_bytes
         total += per_score * model.num_heads * sb * model.seq_len / tp

@@ -140,7 +140,7 @@ class Implementation:
     share the GIL and the core with the training thread)."""
     framework_call_s: float = 0.0
     """Host time of the framework's Python per collective call (set by :meth:`on_device`)."""
-    loss: Literal["eager-fp32", "vocab-parallel"] = "eager-fp32"
+    loss: Literal["eager-fp32", "vocab-parallel", "fused"] = "eager-fp32"
     """How the cross-entropy loss runs, which sets the eager temporaries around the logits
     (:func:`loss_bytes_per_logit`). ``eager-fp32``: ``F.cross_entropy(logits.float(), labels)``
     (torchtitan ``components/loss.py::cross_entropy_loss``, Hugging Face
@@ -150,7 +150,38 @@ class Implementation:
     ``vocab-parallel``: Megatron's ``tensor_parallel/cross_entropy.py::_VocabParallelCrossEntropy``
     (``VocabParallelCrossEntropy.calculate_logits_max`` casts to fp32, then subtract, exp and
     divide in place, so the fp32 copy becomes the saved softmax; the backward turns that saved
-    softmax into the gradient in place)."""
+    softmax into the gradient in place). ``fused``: flash-attn's Triton cross-entropy
+    (``flash_attn/losses/cross_entropy.py::CrossEntropyLoss``, LLM Foundry's default loss), which
+    reads the logits in their own dtype, saves them (and an fp32 log-sum-exp per row) and writes
+    the gradient into a new tensor of the logits' dtype."""
+    gather_after_loss: bool = False
+    """The backward's first gather is issued by its unit's pre-backward hook, which runs only
+    after autograd went through the loss (FSDP1 ``_runtime_utils.py::_pre_backward_hook``,
+    FSDP2 ``_fsdp_state.py::FSDPState._pre_backward``: hooks on the unit's outputs); False: a
+    prefetch may issue it while the loss still runs (DeepSpeed's trace-based prefetch, a fixed
+    ring)."""
+    tp_replicated_embedding_grad: bool = False
+    """Tensor parallelism: the vocabulary-sharded embedding's backward returns a gradient of the
+    whole table on every TP rank (DTensor ``RowwiseParallel`` on ``nn.Embedding``:
+    ``torch/distributed/tensor/_ops/_embedding_ops.py``'s backward strategy leaves
+    ``embedding_dense_backward`` replicated; hzpsim's executor keeps its rows only at the step
+    end, ``executor/nd.py::NDTrainer._reduce_partial_tensor_parallel``), instead of Megatron's
+    ``VocabParallelEmbedding`` gradient of its own rows."""
+    sp_saves_gathered_inputs: bool = False
+    """Sequence parallelism with DTensor (``parallel/style.py``: ``PrepareModuleInput`` gathers
+    the sequence shards, ``ColwiseParallel``'s linears save that gathered input for their weight
+    gradient): the QKV and MLP inputs are kept whole on every TP rank; Megatron keeps the shard
+    and gathers it again in the backward (Korthikanti et al. §4.2.2)."""
+    logits_held_through_backward: bool = False
+    """The training loop keeps a reference to the logits until the backward is done (hzpsim's
+    AsyncHZP executor: ``executor/asynchzp.py::_StepRun.micro_batch`` holds them in ``h``), so
+    they are not a forward temporary of the loss but live through the head's backward."""
+    eager_model_code: bool = True
+    """The model code is eager PyTorch (torchtitan's and Hugging Face's Llama, hzpsim's
+    executor): autograd keeps what each eager op saves (``model/activations.py``, ``eager``)
+    unless ``training.compile`` or ``training.fused_kernels`` fuses the pointwise kernels. False:
+    Megatron's fused modules (Transformer Engine's norm + linear, fused bias-SwiGLU, flash
+    attention with native GQA), which keep Korthikanti et al.'s set."""
     tp_gathers_logits: bool = False
     """Tensor parallelism: the head's vocabulary-sharded logits are all-gathered to every TP
     rank before the loss (DTensor's ``ColwiseParallel(output_layouts=Replicate())``, torchtitan
@@ -244,7 +275,8 @@ class Implementation:
 def loss_bytes_per_logit(loss: str, act_bytes: float) -> tuple[float, tuple[float, ...], tuple[float, ...]]:
     """(saved, forward temporaries, backward temporaries) in bytes per logit element for a loss
     of kind ``loss`` (:attr:`Implementation.loss`) over logits of ``act_bytes`` bytes; the
-    temporaries one entry per tensor (the caching allocator places each on its own).
+    temporaries one entry per tensor (the caching allocator places each on its own). The
+    loss's backward then hands the head's GEMM a gradient of ``act_bytes`` per logit.
 
     - ``eager-fp32``: the forward holds the logits (``act_bytes``, the caller's until the loss
       returns), their fp32 copy (4, none when they are fp32 already: ``.float()`` returns the
@@ -254,11 +286,15 @@ def loss_bytes_per_logit(loss: str, act_bytes: float) -> tuple[float, tuple[floa
     - ``vocab-parallel``: the forward holds the logits and the fp32 copy that becomes the saved
       softmax; the backward writes the gradient into the saved softmax and autograd casts it to
       the logits' dtype (``act_bytes`` more when that is not fp32).
+    - ``fused``: the kernel keeps the logits (``act_bytes``) and writes their gradient into a new
+      tensor of that dtype; nothing in fp32 per logit.
     """
     fp32 = 4.0
     cast = (act_bytes,) if act_bytes < fp32 else ()
     if loss == "vocab-parallel":
         return fp32, cast, cast
+    if loss == "fused":  # the logits themselves are what the kernel keeps; its gradient is new
+        return act_bytes, (), (act_bytes,)
     assert loss == "eager-fp32", loss
     return fp32, (act_bytes, *((fp32,) if act_bytes < fp32 else ())), (fp32, fp32)
 
@@ -303,15 +339,21 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "stage3.py::__reduce_and_partition_ipg_grads (reduce_scatter_tensor per 5e8-element bucket)",
     ),
     "fsdp1": Implementation(
-        name="fsdp1", max_prefetch_depth=1, blocking_calls=True,
+        name="fsdp1", max_prefetch_depth=1, blocking_calls=True, gather_after_loss=True,
         source=f"{_PT}:torch/distributed/fsdp/_runtime_utils.py::_unshard "
                "(one all_gather_into_tensor per FlatParameter; pre-backward unshard serves the "
                "recompute), _post_backward_hook (one reduce_scatter_tensor per FlatParameter); "
                "_flat_param.py::FlatParamHandle._all_gather_flat_param and _runtime_utils.py::_reduce_grad call "
                "all_gather_single / reduce_scatter_single without async_op (streams give the overlap)",
     ),
+    "llm-foundry": Implementation(
+        name="llm-foundry", max_prefetch_depth=1, blocking_calls=True, gather_after_loss=True, loss="fused",
+        source="mosaicml/llm-foundry:llmfoundry/models/mpt/modeling_mpt.py::ComposerMPTCausalLM "
+               "(loss_fn default 'fused_crossentropy': flash_attn.losses.cross_entropy.CrossEntropyLoss) on "
+               "Composer's PyTorch FSDP1 (the fsdp1 profile's collectives and host behaviour)",
+    ),
     "fsdp2": Implementation(
-        name="fsdp2", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
+        name="fsdp2", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False, gather_after_loss=True,
         framework_host="fsdp2", blocking_calls=True,
         source=f"{_PT}:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather, "
                "foreach_all_gather_copy_out (split_with_sizes_copy of the whole unit), foreach_reduce; "
@@ -319,11 +361,12 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "reference": Implementation(
         name="reference", calls_from_comm_threads=True, framework_host="hzpsim-executor",
+        logits_held_through_backward=True,
         source="hzpsim's own AsyncHZP executor (hzpsim/executor): one flat all_gather_into_tensor and "
                "reduce_scatter_tensor per unit from background threads into pre-allocated buffers",
     ),
     "megatron-2021": Implementation(
-        name="megatron-2021", loss="vocab-parallel", collective_call_s=COLLECTIVE_CALL_2021_S, grad_reduce_overlap=False,
+        name="megatron-2021", loss="vocab-parallel", eager_model_code=False, collective_call_s=COLLECTIVE_CALL_2021_S, grad_reduce_overlap=False,
         whole_buffer_step_reduce=True, sync_after_p2p=True,
         source=f"{_MEG}@v2.5:megatron/model/distributed.py::DistributedDataParallel.allreduce_gradients "
                "(one all-reduce of the whole fp32 gradient buffer after the backward), "
@@ -332,19 +375,21 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "megatron/mpu/mappings.py (TP all-reduces, repeated by the recompute)",
     ),
     "megatron-core": Implementation(
-        name="megatron-core", loss="vocab-parallel", reduce="bucket", reduce_bucket_elements=4e7,
+        name="megatron-core", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
         source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
                "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
                "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward)",
     ),
     "torchtitan": Implementation(
         name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
+        gather_after_loss=True, sp_saves_gathered_inputs=True,
         blocking_calls=True,  # FSDP2's calls (see fsdp2)
         source="pytorch/torchtitan@v0.2.2:torchtitan/models/llama3/infra/parallelize.py::apply_fsdp, "
                "apply_tp (FSDP2 per block + DTensor TP/SP)",
     ),
     "dtensor": Implementation(
         name="dtensor", grad_reduce_overlap=False, master_weights=False, tp_gathers_logits=True,
+        tp_replicated_embedding_grad=True, sp_saves_gathered_inputs=True,
         framework_host="dtensor",
         source=f"{_PT}:torch/distributed/tensor/parallel/style.py::ColwiseParallel, RowwiseParallel, "
                "SequenceParallel, PrepareModuleInput (torchtitan's TP plan with sequence parallelism and "

@@ -34,7 +34,7 @@ Communication per layer and micro-batch (docs/strategies.md §2.7, §2.8):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, NamedTuple
 
@@ -79,7 +79,20 @@ class MPUnit:
     """Eager temporaries alive only while the forward runs, bytes per tensor (the loss's logits
     and their fp32 copy): taken when it starts, returned when it ends."""
     backward_temps: tuple[float, ...] = ()
-    """Eager temporaries alive only while the backward runs (the loss's fp32 gradients)."""
+    """Eager temporaries of the loss's backward (its fp32 gradients). The loss's backward runs
+    as an op of its own before the rest of the unit's backward: autograd reaches the head's
+    pre-backward hooks (FSDP2's re-gather, its gradient buffer) only after the loss's nodes ran."""
+    loss_backward_bytes: float = 0.0
+    """HBM bytes of the loss's backward (part of ``backward``), run first when ``backward_temps``."""
+    loss_saved_bytes: float = 0.0
+    """Part of ``activation_bytes`` the loss keeps (its fp32 log-softmax / softmax), freed by
+    the loss's backward."""
+    extra_grad_bytes: float = 0.0
+    """Gradient bytes this rank keeps beyond its share of ``dense_params`` for the whole step
+    (a replicated embedding gradient, Implementation.tp_replicated_embedding_grad)."""
+    loss_grad_bytes: float = 0.0
+    """The logits' gradient the loss's backward hands the head's GEMM backward (in the logits'
+    dtype), held until that backward ends."""
     tp_bytes: float = 0.0
     """One TP collective's buffer (b·s/c·h elements in the activation dtype; the full buffer of
     a sequence-parallel all-gather or reduce-scatter); 0 without TP."""
@@ -118,6 +131,11 @@ class MPUnit:
     """Eager kernels the forward launches (host launch cost)."""
     kernels_backward: float = 0.0
     """Eager kernels the backward launches, the recompute included."""
+
+    @property
+    def loss_split(self) -> bool:
+        """The loss's backward runs as an op of its own (UnitEmitter.loss_backward)."""
+        return bool(self.backward_temps and self.loss_backward_bytes)
 
     @cached_property
     def forward_work(self) -> Work:
@@ -191,6 +209,11 @@ def _gemms(linears: Sequence[tuple[int, int, str]], tokens: float, t: int) -> li
 _FUSED_BY_COMPILE = {"norms": 1.0, "residual_adds": 2.0 / 3.0, "dropouts": 1.0 / 5.0}
 
 
+LOSS_KERNELS_BACKWARD = 5
+"""Eager kernels of the loss's backward (ones_like, nll_loss_backward,
+_log_softmax_backward_data, view, the cast back: counted in the head's ``kernels_backward``)."""
+
+
 def mp_units(model: Model, training: Training, deg: ParallelDims,
              implementation: Implementation | None = None) -> list[MPUnit]:
     """Units (embedding, layers, head) as one model-parallel rank holds and runs them.
@@ -210,12 +233,22 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     tp_bytes = local * h * act if t > 1 else 0.0
     p2p_bytes = local * h * act / t  # Megatron's scatter/gather: each TP rank sends 1/t
     mode = training.activation_recompute
+    # what autograd keeps: eager PyTorch model code unless fused (None: the least, for bounds)
+    eager = implementation is not None and implementation.eager_model_code and not training.fused_pointwise
+    gathered_inputs = implementation is not None and implementation.sp_saves_gathered_inputs
     float8 = training.precision == "fp8"
     units: list[MPUnit] = []
 
     lookup = Work(bytes_accessed=2.0 * local * h * act / (t if deg.sequence_parallel else 1))
+    # DTensor's vocab-sharded embedding gets a replicated gradient of the whole table on every
+    # TP rank (Implementation.tp_replicated_embedding_grad): one more whole table while each
+    # micro-batch's backward runs, and the accumulated .grad whole rather than sharded
+    whole_table = model.vocab_size * h * training.grad_element_bytes
+    replicated = t > 1 and implementation is not None and implementation.tp_replicated_embedding_grad
     units.append(MPUnit(
         name="embed", dense_params=model.embedding_params() / t, pre=lookup, backward=lookup.scaled(2),
+        backward_temps=(whole_table,) if replicated else (),
+        extra_grad_bytes=whole_table * (1 - 1 / t) if replicated else 0.0,
         activation_bytes=0.0, tp_bytes=tp_bytes, **_tp_calls("embed", 1, deg, mode), p2p_bytes=p2p_bytes,
         # eager ATen ops: embedding / embedding_dense_backward + detach (AccumulateGrad); learned
         # positions add arange, embedding, add / sum, view (their broadcast), the same two
@@ -240,11 +273,11 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
         attn_gemms = _gemms(linears["attention"], local, t)
         stored = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute="none",
-            flash_attention=fused, cp=c, act_bytes=act,
+            flash_attention=fused, cp=c, act_bytes=act, eager=eager, gathered_inputs=gathered_inputs,
         )
         kept = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute=mode,
-            flash_attention=fused, cp=c, act_bytes=act, float8=float8,
+            flash_attention=fused, cp=c, act_bytes=act, float8=float8, eager=eager, gathered_inputs=gathered_inputs,
         )
         traffic = 0.0
         for name, (per_token, kind) in model.elementwise_bytes_per_token(i, elementwise_bytes).items():
@@ -350,14 +383,23 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     loss_elements = local * vocab if t > 1 and implementation is not None and implementation.tp_gathers_logits else elements
     forward_temps: tuple[float, ...]
     backward_temps: tuple[float, ...]
+    held = 0.0  # the logits, when the training loop keeps them through the backward
     if implementation is None:
         kept, forward_temps, backward_temps = 4.0, (), ()
     else:
         kept, forward_temps, backward_temps = loss_bytes_per_logit(implementation.loss, act)
+        if implementation.logits_held_through_backward and implementation.loss != "fused":
+            held, forward_temps = act * loss_elements, forward_temps[1:]
+    # the final norm keeps its input, the head's GEMM its input (the norm's output), per token;
+    # eager RMSNorm also its normalised input and fp32 reciprocal RMS (activations.py, eager)
+    head_tokens = local / t if deg.sequence_parallel else local
+    norm_kept = (2 * act * h + ((act * h + 4) if eager and model.norm == "rmsnorm" else 0.0)) * head_tokens
     units.append(MPUnit(
         name="head", dense_params=(model.head_params() / t) + model.final_norm_params(),
         pre=Work.of([head_gemm], 16 * elements),
-        backward=Work.of(list(head_gemm.backward()), 14 * elements), activation_bytes=kept * loss_elements,
+        backward=Work.of(list(head_gemm.backward()), 14 * elements), activation_bytes=kept * loss_elements + norm_kept + held,
+        loss_backward_bytes=14 * elements if backward_temps else 0.0, loss_saved_bytes=kept * loss_elements,
+        loss_grad_bytes=act * loss_elements if backward_temps else 0.0,
         forward_temps=tuple(b * loss_elements for b in forward_temps),
         backward_temps=tuple(b * loss_elements for b in backward_temps),
         tp_bytes=tp_bytes, **_tp_calls("head", 1, deg, mode), p2p_bytes=p2p_bytes,
@@ -400,6 +442,9 @@ def merge_units(units: Sequence[MPUnit]) -> MPUnit:
         # the units' temporaries live one unit at a time
         forward_temps=max((u.forward_temps for u in units), key=sum),
         backward_temps=max((u.backward_temps for u in units), key=sum),
+        loss_backward_bytes=sum(u.loss_backward_bytes for u in units),
+        loss_saved_bytes=sum(u.loss_saved_bytes for u in units),
+        loss_grad_bytes=sum(u.loss_grad_bytes for u in units),
         **tp_counts, p2p_bytes=units[-1].p2p_bytes,
         tp_logits_bytes=sum(u.tp_logits_bytes for u in units),
         kernels_forward=sum(u.kernels_forward for u in units), kernels_backward=sum(u.kernels_backward for u in units),
@@ -516,6 +561,17 @@ class UnitEmitter:
             last = emit.compute(f"fwd.mlp.{label}", "forward", unit.post, [last], step, free=free)
         return self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
 
+    def loss_backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int) -> Ids | None:
+        """The loss's backward as an op of its own before ``unit``'s backward (MPUnit.backward_temps):
+        its fp32 gradients live only while it runs, and it frees what the loss kept. None for a
+        unit without one."""
+        if not unit.loss_split:
+            return None
+        temps = tuple(("temporaries", b) for b in unit.backward_temps if b)
+        return self.emit.compute(f"bwd.loss.{label}", "backward", Work(bytes_accessed=unit.loss_backward_bytes),
+                                 deps, step, alloc=temps, free=temps + (("activations", unit.loss_saved_bytes),),
+                                 kernels=LOSS_KERNELS_BACKWARD)
+
     def backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
                  alloc: MemoryDelta, free: MemoryDelta) -> Ids:
         emit = self.emit
@@ -527,8 +583,12 @@ class UnitEmitter:
         if unit.cp_bytes:
             ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.bwd.{label}", "cp", "cp",
                                    deps, step, count=2, launch=False)
-        main = emit.compute(f"bwd.{label}", "backward", unit.backward, start, step, alloc=alloc,
-                            free=None if unit.cp_bytes else free, kernels=unit.kernels_backward,
+        work, kernels = unit.backward, unit.kernels_backward
+        if unit.loss_split:  # the loss's backward ran before (loss_backward)
+            work = replace(work, bytes_accessed=work.bytes_accessed - unit.loss_backward_bytes)
+            kernels -= LOSS_KERNELS_BACKWARD
+        main = emit.compute(f"bwd.{label}", "backward", work, start, step, alloc=alloc,
+                            free=None if unit.cp_bytes else free, kernels=kernels,
                             calls=self._calls_of(unit, False).host)
         last: Ids = main
         if unit.cp_bytes:
@@ -554,13 +614,19 @@ def _pass_memory(unit: MPUnit, forward_buffers_freed: float = 0.0, backward_buff
     """``unit``'s activations, plus the buffer bytes (gathered parameters, full gradients) that
     its sharded parameters free after the forward, take for the backward and free after it."""
     forward_temps = tuple(("temporaries", b) for b in unit.forward_temps if b)
-    backward_temps = tuple(("temporaries", b) for b in unit.backward_temps if b)
+    # the loss's backward, an op of its own (UnitEmitter.backward), frees its temporaries and
+    # what the loss kept
+    split = unit.loss_split
+    loss_saved = unit.loss_saved_bytes if split else 0.0
+    handed: MemoryDelta = (("temporaries", unit.loss_grad_bytes),) if split and unit.loss_grad_bytes else ()
+    if not split:  # temporaries of the backward itself
+        handed += tuple(("temporaries", b) for b in unit.backward_temps if b)
     return _PassMemory(
         memory_delta({"activations": unit.activation_bytes}) + forward_temps,
         forward_temps + memory_delta({"buffers": forward_buffers_freed}),
-        memory_delta({"activations": unit.recompute_bytes, "buffers": backward_buffers_taken}) + backward_temps,
-        backward_temps + memory_delta({"activations": unit.activation_bytes + unit.recompute_bytes,
-                                       "buffers": backward_buffers_freed}),
+        memory_delta({"activations": unit.recompute_bytes, "buffers": backward_buffers_taken}) + handed,
+        memory_delta({"activations": unit.activation_bytes + unit.recompute_bytes - loss_saved,
+                      "buffers": backward_buffers_freed}) + handed,
     )
 
 
@@ -599,6 +665,10 @@ class UnitPass:
                 NestedSharding(*sizes(len(expert_groups[0])), expert_groups), schedule, uses, tag="experts.",
                 unit_tensors=[u.expert_tensors or (u.expert_params,) for u in units],
             ))
+        extra = sum(u.extra_grad_bytes for u in units)
+        if extra:
+            for lane in emit.lanes:
+                emit.graph.add_static(lane, {"grads": extra})
         self.memory = [_pass_memory(u, sum(s.forward_free(i) for s in self.sharded),
                                     sum(s.backward_alloc(i) for s in self.sharded),
                                     sum(s.backward_free(i) for s in self.sharded))
@@ -624,6 +694,11 @@ class UnitPass:
         return last
 
     def backward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
+        loss = self.unit_emit.loss_backward(unit, f"{unit.name}.mb{mb}", [incoming], step)
+        if loss is not None:
+            incoming = loss
+            for s in self.sharded:
+                s.loss_done(step, mb, loss)
         deps = [incoming, *(d for s in self.sharded for d in s.backward_deps(step, mb, index))]
         deps = self._copies(unit, index, "bwd", step, deps)
         memory = self.memory[index]
@@ -641,7 +716,8 @@ class UnitPass:
 
     def backward_merged(self, unit: MPUnit, step: int, mb: int, incoming: Ids | None) -> Ids:
         memory = unit.activation_memory
-        return self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", [incoming], step, memory.backward_alloc,
+        loss = self.unit_emit.loss_backward(unit, f"{unit.name}.mb{mb}", [incoming], step)
+        return self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", [loss or incoming], step, memory.backward_alloc,
                                        memory.backward_free)
 
     def reduce(self, step: int, end_of_backward: Ids) -> list[Ids | None]:

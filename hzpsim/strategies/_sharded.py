@@ -340,13 +340,16 @@ class ShardedParams:
         # which case PyTorch's caching allocator keeps a freed block in the pool of the stream
         # that used it, so each allocating communication stream strands about one unit's
         # buffer that the compute stream cannot reuse (FSDP2 documents this "inter-stream
-        # fragmentation"; the block count is our estimate [INF]).
+        # fragmentation"; the block count is our estimate [INF]). Stranded blocks are reserved,
+        # not allocated: the graph's cached memory, which only a caching allocator holds.
         gather_slots = (schedule.effective_prefetch_depth + 1) * largest * self.param_element_bytes if p > 1 else 0.0
         scatter_slots = schedule.reduce_buffers * largest * self.grad_element_bytes if g > 1 else 0.0
         if schedule.fixed_buffers:
             static["buffers"] = gather_slots + scatter_slots
         else:
-            static["other"] = (largest * self.param_element_bytes if p > 1 else 0.0) + (largest * self.grad_element_bytes if g > 1 else 0.0)
+            stranded = (largest * self.param_element_bytes if p > 1 else 0.0) + (largest * self.grad_element_bytes if g > 1 else 0.0)
+            for lane in emit.lanes:
+                emit.graph.add_cached(lane, stranded)
         self.dynamic_buffers = not schedule.fixed_buffers
         for lane in emit.lanes:
             emit.graph.add_static(lane, static)
@@ -366,6 +369,7 @@ class ShardedParams:
         self.params_ready: dict[int, Ids] = {}
         self.final_grads: dict[int, Ids] = {}
         self.optimized_steps = 0
+        self.losses: dict[tuple[int, int], Ids] = {}  # (step, micro-batch) -> the loss's backward
 
     # ------------------------------------------------------------------ gathers
 
@@ -380,6 +384,14 @@ class ShardedParams:
             if slot >= 0 and self.consumer_ids[slot] is None:
                 return
             deps = [self.consumer_ids[slot] if slot >= 0 else None, self.params_ready.get(u)]
+            if (phase == "bwd" and self.schedule.implementation.gather_after_loss and index
+                    and self.gathers[index - 1][2] == "fwd"):
+                # the backward's first gather: its unit's pre-backward hook runs only once autograd
+                # has gone through the loss (FSDP: hooks on the unit's outputs)
+                loss = self.losses.get((step, mb))
+                if loss is None:
+                    return
+                deps.append(loss)
             self.gather_ids[index] = self._gather(u, phase, f"{self.names[u]}.mb{mb}", deps, step)
             self.next_gather += 1
 
@@ -442,6 +454,11 @@ class ShardedParams:
             self._issue_gathers()
 
     # ------------------------------------------------------------------ gradients
+
+    def loss_done(self, step: int, mb: int, ids: Ids) -> None:
+        """The loss's backward of micro-batch ``mb`` was emitted (the gathers that wait for it go)."""
+        self.losses[(step, mb)] = ids
+        self._issue_gathers()
 
     def backward_deps(self, step: int, mb: int, u: int) -> list[Ids | None]:
         deps = [self._gather_for((step, mb, "bwd", u))]

@@ -63,7 +63,8 @@ bound = _family_bound.bound_of(plan)
 ORDER = 20
 COLOR = "#55a868"
 DEFAULT_RUNS: tuple[dict, ...] = ({},)
-FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed", "torchtitan": "fsdp2", "fsdp": "fsdp1", "fairscale": "fsdp1"}
+FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed", "torchtitan": "fsdp2", "llm-foundry": "llm-foundry", "fsdp": "fsdp1",
+                             "fairscale": "fsdp1"}
 VALIDATION_REGIMES = {"": "HSDP"}
 
 

@@ -236,6 +236,9 @@ class _Stage:
         self.mergeable = [
             zero_stage <= 1 and len(chunk) > 1
             and not any(units[u].cp_bytes or units[u].ep_bytes or units[u].is_moe for u in chunk)
+            # a unit whose backward holds temporaries of its own (the replicated embedding
+            # gradient) stays one: merged, they would meet every unit's activations
+            and not any(units[u].backward_temps and not units[u].loss_split for u in chunk)
             for chunk in self.chunks
         ]
         self.merged = [merge_units([units[u] for u in chunk]) if ok else None

@@ -87,7 +87,8 @@ COLOR = "#dd8452"
 DEFAULT_RUNS = ({"stage": 1}, {"stage": 2}, {"stage": 3})
 STAND_INS = ({"stage": 3},)
 PUBLISHED_FAMILIES: dict[str, tuple[str, ...]] = {"fsdp": (), "zero2": (), "zero3": ()}
-FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed", "torchtitan": "fsdp2", "fsdp": "fsdp1", "fairscale": "fsdp1"}
+FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed", "torchtitan": "fsdp2", "llm-foundry": "llm-foundry", "fsdp": "fsdp1",
+                             "fairscale": "fsdp1"}
 VALIDATION_REGIMES = {"deepspeed": "DeepSpeed ZeRO", "": "FSDP/ZeRO-3"}
 
 

@@ -297,7 +297,7 @@ def _grad_dtype(row: dict[str, Any]) -> str | None:
 # each runs any strategy as; a plugin's FRAMEWORK_IMPLEMENTATIONS overrides (DeepSpeed and FSDP
 # run only the sharded strategies that declare them; torchtitan runs FSDP2 for ZeRO/HSDP;
 # plain Megatron-LM is megatron-2021 for ND).
-_FRAMEWORKS = ("deepspeed", "torchtitan", "fsdp", "fairscale", "megatron-core", "nemo", "megatron-bridge", "megatron")
+_FRAMEWORKS = ("deepspeed", "torchtitan", "llm-foundry", "fsdp", "fairscale", "megatron-core", "nemo", "megatron-bridge", "megatron")
 _FRAMEWORK_DEFAULTS = {
     "torchtitan": "torchtitan",
     "megatron-core": "megatron-core", "nemo": "megatron-core", "megatron-bridge": "megatron-core",
@@ -387,8 +387,9 @@ def _param_check(model_map: dict[str, Any], row: dict[str, Any]) -> str | None:
     return None
 
 
-def case_from_row(row: dict[str, Any], index: int) -> Case:
-    """Map one CSV row (a dict of column -> value) to a Case."""
+def case_from_row(row: dict[str, Any], index: int, need_measurement: bool = True) -> Case:
+    """Map one CSV row (a dict of column -> value) to a Case (``need_measurement``: skip a row
+    without a measured throughput; the memory rows have none)."""
     source = cell_text(row, "source_id")
     family = cell_text(row, "strategy_family")
     measured = measured_values(row)
@@ -399,7 +400,7 @@ def case_from_row(row: dict[str, Any], index: int) -> Case:
     try:
         if n_gpus is None:
             raise RowSkipped("n_gpus: not given")
-        if measured["basis"] == "none":
+        if measured["basis"] == "none" and need_measurement:
             raise RowSkipped("measured_*: no measurement in the row")
         device, c = map_device(cell_text(row, "gpu"))
         caveats += c

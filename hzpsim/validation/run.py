@@ -20,6 +20,7 @@ import pandas as pd
 from hzpsim.calibration.profile import Profile
 from hzpsim.config import ScenarioError
 from hzpsim.validation.mapping import Case
+from hzpsim.validation.published_memory import inputs_stated
 
 COLUMNS = (
     "source_id", "row", "label", "family", "strategy", "n_gpus", "status", "reason", "basis",
@@ -27,7 +28,7 @@ COLUMNS = (
     "meas_step_time_s", "pred_step_time_s",
     "meas_mfu_palm", "pred_mfu", "pred_hfu",
     "reported_metric", "meas_reported", "pred_reported", "err_reported_pct",
-    "fits_in_memory", "pred_peak_mem_gib", "pred_exposed_comm_s", "pred_overlap",
+    "fits_in_memory", "inputs_stated", "pred_peak_mem_gib", "pred_exposed_comm_s", "pred_overlap",
     "sim_wall_s", "derived", "assumptions", "caveats",
     "regimes", "cv_pred_tokens_per_s_per_gpu", "cv_err_tokens_pct",
 )
@@ -73,6 +74,7 @@ def validate_published(
             meas_tokens_per_s_per_gpu=meas["tokens_per_s_per_gpu"], meas_step_time_s=meas["step_time_s"],
             derived="; ".join(f"{k}: {v}" for k, v in meas["derived"].items()),
             assumptions="; ".join(case.assumptions), caveats="; ".join(case.caveats),
+            inputs_stated=inputs_stated(case),
         )
         if not case.runnable:
             rec.update(status="skip", reason=case.skip_reason)

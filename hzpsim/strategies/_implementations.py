@@ -101,7 +101,7 @@ class Implementation:
     """Model states per parameter. True: the optimizer keeps fp32 master weights beside the
     working copy (DeepSpeed, Megatron's distributed optimizer): the working parameter and the
     gradient in their training dtypes, 12 B of optimizer state (master + Adam's two moments).
-    False (FSDP2, DTensor): the resident parameter keeps its original fp32 dtype and IS the
+    False (FSDP1, FSDP2, DTensor): the resident parameter keeps its original fp32 dtype and IS the
     optimizer's master, mixed precision only casts what is gathered, and the reduced gradient
     is cast back to that dtype; so 4 B of parameter, 4 B of gradient and 8 B of Adam moments
     (:meth:`state_bytes_per_param`)."""
@@ -339,7 +339,12 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "stage3.py::__reduce_and_partition_ipg_grads (reduce_scatter_tensor per 5e8-element bucket)",
     ),
     "fsdp1": Implementation(
-        name="fsdp1", max_prefetch_depth=1, blocking_calls=True, gather_after_loss=True,
+        # the FlatParameter keeps its original (fp32) dtype and is the optimizer's parameter; mixed
+        # precision casts a transient shard for the all-gather (_flat_param.py::FlatParamHandle.
+        # init_flat_param_attributes: _local_shard, _mp_shard freed by
+        # _free_low_precision_sharded_param) and the reduced gradient is cast back to it
+        # (_runtime_utils.py::_cast_grad_to_param_dtype): 4 + 4 + 8 B per parameter, as FSDP2
+        name="fsdp1", max_prefetch_depth=1, blocking_calls=True, gather_after_loss=True, master_weights=False,
         source=f"{_PT}:torch/distributed/fsdp/_runtime_utils.py::_unshard "
                "(one all_gather_into_tensor per FlatParameter; pre-backward unshard serves the "
                "recompute), _post_backward_hook (one reduce_scatter_tensor per FlatParameter); "
@@ -348,6 +353,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "llm-foundry": Implementation(
         name="llm-foundry", max_prefetch_depth=1, blocking_calls=True, gather_after_loss=True, loss="fused",
+        master_weights=False,
         source="mosaicml/llm-foundry:llmfoundry/models/mpt/modeling_mpt.py::ComposerMPTCausalLM "
                "(loss_fn default 'fused_crossentropy': flash_attn.losses.cross_entropy.CrossEntropyLoss) on "
                "Composer's PyTorch FSDP1 (the fsdp1 profile's collectives and host behaviour)",

@@ -132,3 +132,21 @@ def test_explain_prints_the_memory_at_the_peak(capsys):
     line = next(x for x in out.splitlines() if x.strip().startswith("memory at the peak"))
     assert "allocated" in line and "reserved" in line and "outside PyTorch" in line and "headroom" in line
     assert "activations" in line and "temporaries" in line
+
+
+@pytest.mark.parametrize("implementation, per_param", [("fsdp2", 4.0), ("deepspeed", 0.0)])
+def test_the_optimizer_step_holds_foreach_adams_denominators(implementation, per_param):
+    """torch.optim.Adam's foreach path makes one fp32 denominator per parameter of the shard
+    while it steps (``_multi_tensor_adam``: ``_foreach_sqrt``); a fused Adam makes none."""
+    from hzpsim import strategies
+    from hzpsim.scenario import scenario_from_mapping
+
+    sc = scenario_from_mapping({
+        "model": {"preset": "tiny-dense"}, "training": {"global_batch_size": 8, "micro_batch_size": 1},
+        "cluster": {"preset": "dgx-h100"}, "strategy": {"name": "zero", "stage": 3, "implementation": implementation}})
+    choice = sc.strategies[0]
+    graph = strategies.get(choice.name).build(choice.config, sc.model, sc.training, sc.topology)
+    step = next(op for op in graph.ops if op.category == "optimizer" and op.ranks == (0,))
+    held = sum(size for category, size in step.alloc if category == "temporaries")
+    assert held == pytest.approx(per_param * sc.model.num_params() / 8, rel=1e-9)
+    assert step.free == step.alloc

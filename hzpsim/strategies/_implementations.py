@@ -176,6 +176,15 @@ class Implementation:
     """The training loop keeps a reference to the logits until the backward is done (hzpsim's
     AsyncHZP executor: ``executor/asynchzp.py::_StepRun.micro_batch`` holds them in ``h``), so
     they are not a forward temporary of the loss but live through the head's backward."""
+    optimizer_temp_bytes_per_param: float = 0.0
+    """Bytes per parameter of the optimizer shard that the optimizer step allocates for itself
+    while it runs. 0: a fused Adam (DeepSpeed's and Megatron's ``FusedAdam``, torchtitan's
+    default ``implementation = "fused"``, ``config/job_config.py::Optimizer``): one kernel over
+    the parameters, no tensor per parameter. 4: ``torch.optim.Adam(W)`` with ``foreach`` (its
+    default on GPUs, ``torch/optim/optimizer.py::_default_to_fused_or_foreach``; the executor
+    sets it): ``adam.py::_multi_tensor_adam``'s ``torch._foreach_sqrt(exp_avg_sqs)`` makes one
+    fp32 denominator per parameter (measured by ``executor/memtrack.py``: exactly one shard's
+    worth)."""
     eager_model_code: bool = True
     """The model code is eager PyTorch (torchtitan's and Hugging Face's Llama, hzpsim's
     executor): autograd keeps what each eager op saves (``model/activations.py``, ``eager``)
@@ -344,7 +353,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
         # init_flat_param_attributes: _local_shard, _mp_shard freed by
         # _free_low_precision_sharded_param) and the reduced gradient is cast back to it
         # (_runtime_utils.py::_cast_grad_to_param_dtype): 4 + 4 + 8 B per parameter, as FSDP2
-        name="fsdp1", max_prefetch_depth=1, blocking_calls=True, gather_after_loss=True, master_weights=False,
+        name="fsdp1", optimizer_temp_bytes_per_param=4.0, max_prefetch_depth=1, blocking_calls=True, gather_after_loss=True, master_weights=False,
         source=f"{_PT}:torch/distributed/fsdp/_runtime_utils.py::_unshard "
                "(one all_gather_into_tensor per FlatParameter; pre-backward unshard serves the "
                "recompute), _post_backward_hook (one reduce_scatter_tensor per FlatParameter); "
@@ -352,21 +361,21 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "all_gather_single / reduce_scatter_single without async_op (streams give the overlap)",
     ),
     "llm-foundry": Implementation(
-        name="llm-foundry", max_prefetch_depth=1, blocking_calls=True, gather_after_loss=True, loss="fused",
+        name="llm-foundry", optimizer_temp_bytes_per_param=4.0, max_prefetch_depth=1, blocking_calls=True, gather_after_loss=True, loss="fused",
         master_weights=False,
         source="mosaicml/llm-foundry:llmfoundry/models/mpt/modeling_mpt.py::ComposerMPTCausalLM "
                "(loss_fn default 'fused_crossentropy': flash_attn.losses.cross_entropy.CrossEntropyLoss) on "
                "Composer's PyTorch FSDP1 (the fsdp1 profile's collectives and host behaviour)",
     ),
     "fsdp2": Implementation(
-        name="fsdp2", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False, gather_after_loss=True,
+        name="fsdp2", optimizer_temp_bytes_per_param=4.0, copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False, gather_after_loss=True,
         framework_host="fsdp2", blocking_calls=True,
         source=f"{_PT}:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather, "
                "foreach_all_gather_copy_out (split_with_sizes_copy of the whole unit), foreach_reduce; "
                "_fsdp_state.py::FSDPState._pre_forward (no unshard during the recompute)",
     ),
     "reference": Implementation(
-        name="reference", calls_from_comm_threads=True, framework_host="hzpsim-executor",
+        name="reference", optimizer_temp_bytes_per_param=4.0, calls_from_comm_threads=True, framework_host="hzpsim-executor",
         logits_held_through_backward=True,
         source="hzpsim's own AsyncHZP executor (hzpsim/executor): one flat all_gather_into_tensor and "
                "reduce_scatter_tensor per unit from background threads into pre-allocated buffers",
@@ -394,7 +403,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "apply_tp (FSDP2 per block + DTensor TP/SP)",
     ),
     "dtensor": Implementation(
-        name="dtensor", grad_reduce_overlap=False, master_weights=False, tp_gathers_logits=True,
+        name="dtensor", optimizer_temp_bytes_per_param=4.0, grad_reduce_overlap=False, master_weights=False, tp_gathers_logits=True,
         tp_replicated_embedding_grad=True, sp_saves_gathered_inputs=True,
         framework_host="dtensor",
         source=f"{_PT}:torch/distributed/tensor/parallel/style.py::ColwiseParallel, RowwiseParallel, "
@@ -405,7 +414,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "after the backward, one coalesced all_reduce over the TP group per step)",
     ),
     "ddp": Implementation(
-        name="ddp", reduce="bucket", reduce_bucket_elements=25 * 2**20 / 4,
+        name="ddp", optimizer_temp_bytes_per_param=4.0, reduce="bucket", reduce_bucket_elements=25 * 2**20 / 4,
         source=f"{_PT}:torch/csrc/distributed/c10d/reducer.hpp (25 MiB buckets, all_reduce per bucket, "
                "overlapped with the backward)",
     ),

@@ -666,9 +666,9 @@ class UnitPass:
                 unit_tensors=[u.expert_tensors or (u.expert_params,) for u in units],
             ))
         extra = sum(u.extra_grad_bytes for u in units)
-        if extra:
+        if extra:  # held whole through the step, sharded again at its end: a buffer, not a model state
             for lane in emit.lanes:
-                emit.graph.add_static(lane, {"grads": extra})
+                emit.graph.add_static(lane, {"buffers": extra})
         self.memory = [_pass_memory(u, sum(s.forward_free(i) for s in self.sharded),
                                     sum(s.backward_alloc(i) for s in self.sharded),
                                     sum(s.backward_free(i) for s in self.sharded))

@@ -529,7 +529,11 @@ class ShardedParams:
     def optimize(self, step: int, deps: Sequence[Ids | None]) -> Ids:
         """The optimizer on this lane set's shard, then the step-end parameter all-gathers."""
         work = Work(bytes_accessed=self.total / self.o * optimizer_bytes_per_param(self.training))
-        optimizer = self.emit.compute(f"optimizer{self.tag}", "optimizer", work, deps, step)
+        # the step's own temporaries (foreach Adam's denominators: Implementation.optimizer_temp_bytes_per_param)
+        # one tensor per parameter in PyTorch: here one per unit, each its own allocator block
+        per = self.schedule.implementation.optimizer_temp_bytes_per_param / self.o
+        held = tuple(("temporaries", n * per) for n in self.params if n * per) if per else ()
+        optimizer = self.emit.compute(f"optimizer{self.tag}", "optimizer", work, deps, step, alloc=held, free=held)
         self.params_ready = {}
         gathered: list[Ids] = []
         for u, name in enumerate(self.names):

@@ -83,10 +83,10 @@ class CachingAllocator:
         self.segments: list[_Segment] = []
         self.free: list[tuple[int, int, int]] = []  # (size, segment index, offset) of free blocks, sorted
         self.live: dict[int, tuple[int, int]] = {}  # owner -> (segment index, offset)
+        self.sizes: dict[int, int] = {}  # expandable segments: owner -> bytes handed out
         self.reserved = 0
         self.allocated = 0
         self.peak_reserved = 0
-        self.peak_allocated = 0
         self.live_pages = 0  # expandable segments: whole pages the live blocks need
 
     # -- the allocator's calls ------------------------------------------------------------------
@@ -94,9 +94,8 @@ class CachingAllocator:
     def malloc(self, owner: int, size: float) -> None:
         request = round_size(size)
         self.allocated += request
-        self.peak_allocated = max(self.peak_allocated, self.allocated)
         if self.expandable:
-            self.live[owner] = (-1, request)
+            self.sizes[owner] = request
             self.live_pages += -(-request // PAGE_BYTES)
             self.reserved = self.live_pages * PAGE_BYTES
             self._check(self.reserved)
@@ -117,12 +116,13 @@ class CachingAllocator:
         self.live[owner] = (seg, offset)
 
     def release(self, owner: int) -> None:
-        seg, offset = self.live.pop(owner)
         if self.expandable:
-            self.allocated -= offset
-            self.live_pages -= -(-offset // PAGE_BYTES)
+            size = self.sizes.pop(owner)
+            self.allocated -= size
+            self.live_pages -= -(-size // PAGE_BYTES)
             self.reserved = self.live_pages * PAGE_BYTES
             return
+        seg, offset = self.live.pop(owner)
         blocks = self.segments[seg].blocks
         j = next(k for k, b in enumerate(blocks) if b[0] == offset)
         self.allocated -= blocks[j][1]
@@ -169,11 +169,10 @@ class CachingAllocator:
 
 @dataclass(frozen=True)
 class Replay:
-    """One rank's allocator replay: the peaks ``torch.cuda.max_memory_allocated`` and
-    ``max_memory_reserved`` would report (allocated counts the 512-byte rounding), and whether it
-    ran out of memory under the capacity it was given."""
+    """One rank's allocator replay: the peak ``torch.cuda.max_memory_reserved`` would report,
+    and whether it ran out of memory under the capacity it was given (the allocated peak is
+    the engine's memory timeline, ``report.memory_peak``)."""
 
-    peak_allocated_bytes: float
     peak_reserved_bytes: float
     out_of_memory: bool
 
@@ -206,8 +205,8 @@ def replay(static: Mapping[str, float], events: Sequence[tuple[float, str, float
             elif size < 0:
                 owner = _release(allocator, live.setdefault(category, []), -size, owner)
     except OutOfMemory:
-        return Replay(allocator.peak_allocated, allocator.peak_reserved, True)
-    return Replay(allocator.peak_allocated, allocator.peak_reserved, False)
+        return Replay(allocator.peak_reserved, True)
+    return Replay(allocator.peak_reserved, False)
 
 
 def _release(allocator: CachingAllocator, blocks: list[tuple[int, float]], size: float, owner: int) -> int:

@@ -12,8 +12,9 @@ hzpsim/data/model_families.yaml (:mod:`hzpsim.validation.families`).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hzpsim import strategies
 from hzpsim.config import ScenarioError, from_mapping
@@ -24,6 +25,9 @@ from hzpsim.strategies import _implementations
 from hzpsim.validation.cells import RowSkipped, blank, cell_text, need_whole, number, whole
 from hzpsim.validation.families import family_of
 from hzpsim.validation.measured import measured_values
+
+if TYPE_CHECKING:
+    from hzpsim.scenario import Scenario
 
 STRATEGY_FAMILIES = tuple(strategies.published_families())
 """Values of the CSV's ``strategy_family`` column that :func:`map_strategy` knows: every
@@ -496,3 +500,21 @@ def case_from_row(row: dict[str, Any], index: int, need_measurement: bool = True
     return Case(source, index, _label(row, index), mapping, skip, measured, **common,  # type: ignore[arg-type]
                 assumptions=tuple(assumptions), caveats=tuple(caveats))
 
+
+def case_scenario(case: Case, progress: Callable[[str], None] | None = None) -> tuple[Scenario | None, dict[str, Any]]:
+    """The Scenario of a runnable case, or None with the record fields that say why not:
+    ``status`` skip (the case's ``skip_reason``), invalid (the scenario was rejected: its
+    ScenarioError) or error (a strategy plugin's bug in ``check``, recorded so the loop goes on).
+    ``progress`` is told the label of each case about to be simulated."""
+    from hzpsim.scenario import scenario_from_mapping
+
+    if not case.runnable:
+        return None, {"status": "skip", "reason": case.skip_reason}
+    if progress:
+        progress(case.label)
+    try:
+        return scenario_from_mapping(case.scenario_mapping, source=case.label), {}
+    except ScenarioError as exc:
+        return None, {"status": "invalid", "reason": str(exc)}
+    except Exception as exc:  # a strategy plugin's bug in check(): record, keep going
+        return None, {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}

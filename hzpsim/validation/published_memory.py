@@ -22,7 +22,7 @@ import pandas as pd
 
 from hzpsim.config import ScenarioError
 from hzpsim.validation.csvfile import read_rows
-from hzpsim.validation.mapping import Case, case_from_row
+from hzpsim.validation.mapping import Case, case_from_row, case_scenario
 
 MEMORY_CSV = Path(__file__).resolve().parent.parent / "data" / "published_memory.csv"
 UNIT_BYTES = {"GiB": 2.0**30, "GB": 1e9}
@@ -53,7 +53,6 @@ def validate_memory(pairs: Sequence[tuple[Case, dict[str, Any]]],
                     progress: Callable[[str], None] | None = None) -> pd.DataFrame:
     """Simulate every mappable row; one record per row (skipped ones with their reason)."""
     from hzpsim.run import run_choice
-    from hzpsim.scenario import scenario_from_mapping
 
     records = []
     for case, row in pairs:
@@ -67,16 +66,14 @@ def validate_memory(pairs: Sequence[tuple[Case, dict[str, Any]]],
             records.append(rec)
             continue
         rec["meas_memory_bytes"] = float(value) * UNIT_BYTES[unit]
-        if not case.runnable:
-            rec.update(status="skip", reason=case.skip_reason)
+        scenario, why_not = case_scenario(case, progress)
+        if scenario is None:
+            rec.update(why_not)
             records.append(rec)
             continue
-        if progress:
-            progress(case.label)
         try:
-            scenario = scenario_from_mapping(case.scenario_mapping, source=case.label)
             report = run_choice(scenario, scenario.strategies[0])
-        except (ScenarioError, ValueError) as exc:
+        except ValueError as exc:
             rec.update(status="invalid", reason=str(exc))
             records.append(rec)
             continue

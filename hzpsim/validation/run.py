@@ -18,8 +18,7 @@ from typing import Any
 import pandas as pd
 
 from hzpsim.calibration.profile import Profile
-from hzpsim.config import ScenarioError
-from hzpsim.validation.mapping import Case
+from hzpsim.validation.mapping import Case, case_scenario
 from hzpsim.validation.published_memory import inputs_stated
 
 COLUMNS = (
@@ -59,7 +58,6 @@ def validate_published(
     """
     from hzpsim.calibration import profile as calibration
     from hzpsim.run import run_choice  # imported late to keep the CSV side light
-    from hzpsim.scenario import scenario_from_mapping
     from hzpsim.validation.regimes import regimes_of
 
     profile = profile or calibration.active()
@@ -76,20 +74,9 @@ def validate_published(
             assumptions="; ".join(case.assumptions), caveats="; ".join(case.caveats),
             inputs_stated=inputs_stated(case),
         )
-        if not case.runnable:
-            rec.update(status="skip", reason=case.skip_reason)
-            records.append(rec)
-            continue
-        if progress:
-            progress(case.label)
-        try:
-            scenario = scenario_from_mapping(case.scenario_mapping, source=case.label)
-        except ScenarioError as exc:
-            rec.update(status="invalid", reason=str(exc))
-            records.append(rec)
-            continue
-        except Exception as exc:  # a strategy plugin's bug in check(): record, keep going
-            rec.update(status="error", reason=f"{type(exc).__name__}: {exc}")
+        scenario, why_not = case_scenario(case, progress)
+        if scenario is None:
+            rec.update(why_not)
             records.append(rec)
             continue
         t0 = time.perf_counter()

@@ -75,3 +75,44 @@ def test_8b_zero_fake_runs_without_the_memory():
     params = 8_030_261_248 * 4 // 8  # fp32, 1/8 shard
     assert result["by_category"]["optimizer"] >= 2 * params
     assert result["peak_allocated_bytes"] > 3 * params
+
+
+@pytest.mark.parametrize("loss", ["eager-fp32", "loss-parallel"])
+def test_loss_peak_per_logit_matches_pytorch(loss):
+    """The loss's peak bytes per logit (:func:`loss_bytes_per_logit`: the saved log-softmax plus
+    the backward's temporaries, the larger of its two phases) is what PyTorch's MemTracker sees
+    for ``F.cross_entropy(logits.float(), labels)`` on bf16 logits, eagerly and under DTensor's
+    ``loss_parallel()`` over vocabulary-sharded logits (torchtitan's loss with TP)."""
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from hzpsim.strategies._implementations import loss_bytes_per_logit
+
+    memtrack._fake_process_group(2)
+    mesh = init_device_mesh("cpu", (2,))
+    tokens, local_vocab = 1024, 4096
+    torch.manual_seed(0)
+    hidden = torch.randn(tokens, 64, dtype=torch.bfloat16)
+    weight = torch.randn(64, local_vocab, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, local_vocab, (tokens,))
+    tracker = MemTracker()
+    with tracker:
+        logits = hidden @ weight
+        if loss == "loss-parallel":
+            with loss_parallel():
+                out = F.cross_entropy(DTensor.from_local(logits, mesh, [Shard(1)]).float(), labels)
+                del logits
+                out.backward()
+        else:
+            out = F.cross_entropy(logits.float(), labels)
+            del logits
+            out.backward()
+    # the tracker counts what is allocated inside it: the logits, the loss's tensors, and the
+    # weight's gradient, which comes after the loss's temporaries are gone
+    peak = max(d["Total"] for d in tracker.get_tracker_snapshot("peak").values())
+    saved, forward, backward = loss_bytes_per_logit(loss, 2)
+    predicted = max(saved + sum(forward), saved + sum(backward))
+    assert peak / (tokens * local_vocab) == pytest.approx(predicted, abs=0.05)

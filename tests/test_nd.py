@@ -295,3 +295,35 @@ def test_tp_comm_overlap_hides_behind_its_own_pass_and_waits_for_it():
     hidden = [n for n in rank0.index if n.endswith(".overlapped")]
     assert hidden and all(n.startswith("tp.fwd.") for n in hidden)
     assert report["step_time_s"] < forward_only["step_time_s"] < plain["step_time_s"]
+
+
+def test_torchtitan_pipeline_keeps_fsdp_units_unsharded_across_micro_batches():
+    """torchtitan with PP (reshard_after_forward = not pp_enabled; torch.distributed.pipelining
+    disables gradient sync until perform_reduce_grad): each unit is gathered once per step, its
+    gradient accumulates unsharded in fp32 and is reduce-scattered once, after the stage's last
+    backward; the gathered parameters and the accumulators are held meanwhile."""
+    strategy = {"pp": 2, "zero_stage": 3, "implementation": "torchtitan"}
+    sc = scenario(strategy)
+    graph, trace = trace_of(sc)
+    last = sc.training.num_steps - 1
+
+    def of_rank0(g, category):
+        return [op for op in g.ops if op.step == last and op.category == category and 0 in op.ranks]
+
+    gathers = of_rank0(graph, "param_gather")
+    units = {op.name.split(".")[2] for op in gathers}
+    scatters = [op for op in of_rank0(graph, "grad_reduce") if op.collective == "reduce_scatter"]
+    assert gathers and len(gathers) == len(units)  # once per unit, no backward gathers
+    assert all(op.name.startswith("ag.fwd.") and op.name.endswith(".mb0") for op in gathers)
+    assert len(scatters) == len(units)
+    end_of_backward = max(trace.end_s[op.id] for op in of_rank0(graph, "backward"))
+    assert min(trace.start_s[op.id] for op in scatters) >= end_of_backward - 1e-12
+    # the same layout under FSDP2's default gathers twice and reduces once per micro-batch
+    g2, _ = trace_of(scenario({**strategy, "implementation": "fsdp2"}))
+    m = sc.training.global_batch_size // 4  # dp 4, micro-batch 1
+    assert len(of_rank0(g2, "param_gather")) == 2 * m * len(units)
+    # held through the step: the stage's gathered bf16 parameters and fp32 accumulators (6 B
+    # per parameter of the stage; FSDP2 keeps 16 B per sharded parameter, over dp 4)
+    report = run_choice(sc, sc.strategies[0])
+    stage_params = sum(graph.static_memory[0].values()) / 16 * 4
+    assert report["memory_breakdown_bytes"]["buffers"] >= 0.9 * 6 * stage_params

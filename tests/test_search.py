@@ -336,3 +336,19 @@ def test_the_search_names_no_strategy():
                 if private:
                     problems.append(f"{path.name}:{node.lineno}: imports the private {', '.join(private)}")
     assert not problems, "\n".join(problems)
+
+
+def test_bounds_hold_when_pipeline_stages_keep_fsdp_units_unsharded():
+    """torchtitan's pipelines gather each FSDP unit once per step and reduce it once after the
+    stage's last backward (Implementation.pp_keeps_unsharded): the bounds count those, not a
+    gather and a reduction per micro-batch, and stay below the simulation."""
+    scenario = small_scenario()
+    candidates = [
+        S.Candidate("nd", tuple(sorted({"tp": tp, "pp": pp, "vpp": vpp, "cp": 1, "ep": 1, "zero_stage": 3,
+                                        "sequence_parallel": tp > 1, "implementation": "torchtitan"}.items())), mb, rc)
+        for tp, pp, vpp, mb, rc in ((1, 2, 1, 1, "none"), (2, 2, 2, 1, "full"), (1, 4, 1, 2, "selective"),
+                                    (8, 2, 1, 1, "none"), (2, 4, 1, 1, "full"))  # the last two: a bound
+    ]  # counting a gather and a reduction per micro-batch exceeds their simulated step
+    assert all(S.check(scenario, c) is None for c in candidates)
+    tight = _check_bounds(scenario, candidates)
+    assert len(tight) == len(candidates)

@@ -140,7 +140,7 @@ class Implementation:
     share the GIL and the core with the training thread)."""
     framework_call_s: float = 0.0
     """Host time of the framework's Python per collective call (set by :meth:`on_device`)."""
-    loss: Literal["eager-fp32", "vocab-parallel", "fused"] = "eager-fp32"
+    loss: Literal["eager-fp32", "vocab-parallel", "fused", "loss-parallel"] = "eager-fp32"
     """How the cross-entropy loss runs, which sets the eager temporaries around the logits
     (:func:`loss_bytes_per_logit`). ``eager-fp32``: ``F.cross_entropy(logits.float(), labels)``
     (torchtitan ``components/loss.py::cross_entropy_loss``, Hugging Face
@@ -153,7 +153,15 @@ class Implementation:
     softmax into the gradient in place). ``fused``: flash-attn's Triton cross-entropy
     (``flash_attn/losses/cross_entropy.py::CrossEntropyLoss``, LLM Foundry's default loss), which
     reads the logits in their own dtype, saves them (and an fp32 log-sum-exp per row) and writes
-    the gradient into a new tensor of the logits' dtype."""
+    the gradient into a new tensor of the logits' dtype. ``loss-parallel``: DTensor's
+    ``loss_parallel()`` over vocabulary-sharded logits (see :attr:`tp_loss`)."""
+    tp_loss: Literal["", "eager-fp32", "vocab-parallel", "fused", "loss-parallel"] = ""
+    """The loss under tensor parallelism (tp > 1), when it differs from :attr:`loss`.
+    ``loss-parallel``: torchtitan keeps the logits sharded over the vocabulary and runs
+    ``F.cross_entropy`` inside ``torch.distributed.tensor.parallel.loss_parallel()`` (its
+    default with TP: ``parallelize.py::apply_tp``, ``use_local_output=not loss_parallel``), whose
+    ``tensor/parallel/loss.py::_log_softmax`` and ``_nll_loss_and_log_softmax_backward`` compose
+    the softmax from eager ops (:func:`loss_bytes_per_logit`)."""
     gather_after_loss: bool = False
     """The backward's first gather is issued by its unit's pre-backward hook, which runs only
     after autograd went through the loss (FSDP1 ``_runtime_utils.py::_pre_backward_hook``,
@@ -191,6 +199,17 @@ class Implementation:
     unless ``training.compile`` or ``training.fused_kernels`` fuses the pointwise kernels. False:
     Megatron's fused modules (Transformer Engine's norm + linear, fused bias-SwiGLU, flash
     attention with native GQA), which keep Korthikanti et al.'s set."""
+    pp_keeps_unsharded: bool = False
+    """Pipeline parallelism (pp > 1) over sharded parameters: each unit is gathered once per step
+    and kept gathered, and its gradient accumulates unsharded, in the reduce dtype, over the
+    micro-batches; one reduce-scatter per unit after the stage's last backward (torchtitan's
+    ``models/llama3/infra/parallelize.py::apply_fsdp``: ``reshard_after_forward = not pp_enabled``
+    by default; ``torch/distributed/pipelining/stage.py::_PipelineStageBase.backward_maybe_with_nosync``
+    sets ``set_requires_gradient_sync(False)`` and ``set_reshard_after_backward(False)`` for every
+    micro-batch, ``perform_reduce_grad`` runs every group's ``post_backward`` after the last;
+    FSDP2's ``_fsdp_param.py::FSDPParam.to_accumulated_grad_if_needed`` /
+    ``accumulate_unsharded_grad_if_needed`` keep the accumulated gradient in ``reduce_dtype``).
+    False: every micro-batch gathers again and reduce-scatters its own gradient."""
     tp_gathers_logits: bool = False
     """Tensor parallelism: the head's vocabulary-sharded logits are all-gathered to every TP
     rank before the loss (DTensor's ``ColwiseParallel(output_layouts=Replicate())``, torchtitan
@@ -297,6 +316,13 @@ def loss_bytes_per_logit(loss: str, act_bytes: float) -> tuple[float, tuple[floa
       the logits' dtype (``act_bytes`` more when that is not fp32).
     - ``fused``: the kernel keeps the logits (``act_bytes``) and writes their gradient into a new
       tensor of that dtype; nothing in fp32 per logit.
+    - ``loss-parallel`` (``torch/distributed/tensor/parallel/loss.py``): the forward's
+      ``_log_softmax`` holds the logits, their fp32 copy ``x``, ``shifted = x - x_max`` and
+      ``torch.exp(shifted)`` at once (then the saved ``result = shifted - logsumexp`` in the
+      exponential's place: two fp32 temporaries beside the saved output); the backward's ``_nll_loss_and_log_softmax_backward`` holds the saved
+      log-softmax, ``grad_input = zeros_like(x)``, ``torch.exp(x)`` and their sum (then the
+      product with ``grad_output`` in the exponential's place): three fp32 tensors beside the
+      saved one, where ``eager-fp32``'s native kernels need two.
     """
     fp32 = 4.0
     cast = (act_bytes,) if act_bytes < fp32 else ()
@@ -304,6 +330,8 @@ def loss_bytes_per_logit(loss: str, act_bytes: float) -> tuple[float, tuple[floa
         return fp32, cast, cast
     if loss == "fused":  # the logits themselves are what the kernel keeps; its gradient is new
         return act_bytes, (), (act_bytes,)
+    if loss == "loss-parallel":
+        return fp32, (act_bytes, *((fp32,) if act_bytes < fp32 else ()), fp32), (fp32, fp32, fp32)
     assert loss == "eager-fp32", loss
     return fp32, (act_bytes, *((fp32,) if act_bytes < fp32 else ())), (fp32, fp32)
 
@@ -397,10 +425,11 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "torchtitan": Implementation(
         name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
-        gather_after_loss=True, sp_saves_gathered_inputs=True,
+        gather_after_loss=True, sp_saves_gathered_inputs=True, pp_keeps_unsharded=True, tp_loss="loss-parallel",
         blocking_calls=True,  # FSDP2's calls (see fsdp2)
         source="pytorch/torchtitan@v0.2.2:torchtitan/models/llama3/infra/parallelize.py::apply_fsdp, "
-               "apply_tp (FSDP2 per block + DTensor TP/SP)",
+               "apply_tp (FSDP2 per block + DTensor TP/SP), infra/pipeline.py (torch.distributed.pipelining "
+               "schedules, FSDP kept unsharded across micro-batches)",
     ),
     "dtensor": Implementation(
         name="dtensor", optimizer_temp_bytes_per_param=4.0, grad_reduce_overlap=False, master_weights=False, tp_gathers_logits=True,

@@ -387,8 +387,9 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     if implementation is None:
         kept, forward_temps, backward_temps = 4.0, (), ()
     else:
-        kept, forward_temps, backward_temps = loss_bytes_per_logit(implementation.loss, act)
-        if implementation.logits_held_through_backward and implementation.loss != "fused":
+        loss = implementation.tp_loss if t > 1 and implementation.tp_loss else implementation.loss
+        kept, forward_temps, backward_temps = loss_bytes_per_logit(loss, act)
+        if implementation.logits_held_through_backward and loss != "fused":
             held, forward_temps = act * loss_elements, forward_temps[1:]
     # the final norm keeps its input, the head's GEMM its input (the norm's output), per token;
     # eager RMSNorm also its normalised input and fp32 reciprocal RMS (activations.py, eager)
@@ -674,10 +675,11 @@ class UnitPass:
                                     sum(s.backward_free(i) for s in self.sharded))
                        for i, u in enumerate(units)]
 
-    def _copies(self, unit: MPUnit, index: int, phase: str, step: int, deps: list[Ids | None]) -> list[Ids | None]:
+    def _copies(self, unit: MPUnit, index: int, phase: str, step: int, mb: int,
+                deps: list[Ids | None]) -> list[Ids | None]:
         """The implementation's device copies around the gathers (FSDP2 copy-out), as one
         memory-bound op before the unit's compute."""
-        copied = sum(s.copy_bytes(index, phase) for s in self.sharded)
+        copied = sum(s.copy_bytes(index, phase, mb) for s in self.sharded)
         if not copied:
             return deps
         return [self.unit_emit.emit.compute(f"copy.{phase}.{unit.name}", "forward" if phase == "fwd" else "backward",
@@ -686,7 +688,7 @@ class UnitPass:
     def forward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
         """Forward of ``unit`` (the ``index``-th of the schedule's units) after ``incoming``."""
         deps = [incoming, *(d for s in self.sharded for d in s.forward_deps(step, mb, index))]
-        deps = self._copies(unit, index, "fwd", step, deps)
+        deps = self._copies(unit, index, "fwd", step, mb, deps)
         memory = self.memory[index]
         last = self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", deps, step, memory.forward_alloc, memory.forward_free)
         for s in self.sharded:
@@ -697,13 +699,18 @@ class UnitPass:
         loss = self.unit_emit.loss_backward(unit, f"{unit.name}.mb{mb}", [incoming], step)
         if loss is not None:
             incoming = loss
+        # what starts this micro-batch's backward pass: the loss's backward, or on a pipeline
+        # stage without the loss the gradient received from the next stage (the first call)
+        if incoming is not None:
             for s in self.sharded:
-                s.loss_done(step, mb, loss)
+                s.loss_done(step, mb, incoming)
         deps = [incoming, *(d for s in self.sharded for d in s.backward_deps(step, mb, index))]
-        deps = self._copies(unit, index, "bwd", step, deps)
+        deps = self._copies(unit, index, "bwd", step, mb, deps)
         memory = self.memory[index]
-        last = self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", deps, step, memory.backward_alloc,
-                                       memory.backward_free)
+        taken = memory.backward_alloc
+        if mb == 0:  # the gradient accumulators its first backward takes (kept unsharded across micro-batches)
+            taken += memory_delta({"buffers": sum(s.accumulator_bytes(index) for s in self.sharded)})
+        last = self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", deps, step, taken, memory.backward_free)
         for s in self.sharded:
             s.backward_done(step, mb, index, last, last_mb=mb == self.num_micro_batches - 1)
         return last

@@ -243,21 +243,25 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     chain = norm_ready + norm + max(opt_lo) - max_up
     critical = max(range(p), key=lambda s: (ends[s] + tails[s], -s))
 
-    # the talking: per stage, within its own window (from its step-end gathers to its optimizer)
+    # the talking: per stage, within its own window (from its step-end gathers to its optimizer);
+    # kept unsharded across micro-batches, a unit gathers and reduces once per step
+    per_step = 1 if schedule.accumulate_unsharded else m
     for s in range(p):
         dpu = stage_dp[s]
         vstages = [c * p + s for c in range(v)]
         dp_group = range(s * block, (s + 1) * block, cfg.tp)
         params = tuple(unit_costs[u].dense_params for j in vstages for u in range(*spans[j]))
-        demand = dict(bounder.sharded_demand(costs, params, m, sizes, dp_group, training, Schedule()))
+        plain = Schedule(reshard_after_forward=schedule.reshard_after_forward,
+                         accumulate_unsharded=schedule.accumulate_unsharded)
+        demand = dict(bounder.sharded_demand(costs, params, m, sizes, dp_group, training, plain))
         for level in pre["levels"]:
             lb = sum(run_sum("link." + level, j) for j in vstages)
             if lb:
                 demand[level] = demand.get(level, 0.0) + m * lb
         whole = whole_buffer_s(costs, sum(params), sizes, dp_group, training, schedule)
         streams = {
-            "ag": m * sum(d.gather_fwd + d.gather_bwd for d in dpu),
-            "rs": m * sum(d.reduce for d in dpu),
+            "ag": per_step * sum(d.gather_fwd + d.gather_bwd for d in dpu),
+            "rs": per_step * sum(d.reduce for d in dpu),
             "dp": sum(d.step_ag for d in dpu) + (whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu)),
         }
         talking = max(costs.link_s(demand), stream_sums(schedule, streams))
@@ -322,7 +326,8 @@ def _slowed_bodies(bounder: BoundCache, costs: Costs, unit_costs: list[UnitCost]
         whole = whole_buffer_s(costs, sum(unit_costs[k].dense_params for c in range(v)
                                            for k in range(*spans[c * p + j])), sizes, dp_group, training, schedule)
         busy: dict[str, float] = {}
-        for role, seconds in (("rs", m * sum(d.reduce for d in dpu)),
+        reductions = 1 if schedule.accumulate_unsharded else m  # once per step, after the body (kept unsharded)
+        for role, seconds in (("rs", reductions * sum(d.reduce for d in dpu)),
                               ("dp", whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu))):
             name = schedule.stream(role)
             busy[name] = busy.get(name, 0.0) + seconds
@@ -399,6 +404,9 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
     of the unit gathered last, which waits for it; see :func:`norm_s`)."""
     depth, slots = schedule.effective_prefetch_depth, schedule.reduce_buffers
     reshard = schedule.reshard_after_forward
+    # kept unsharded across micro-batches: the step's first forward gathers, and no reduction
+    # runs before the step-end one (not counted here: a lower bound)
+    accumulate = schedule.accumulate_unsharded
     wait_all = not schedule.effective_overlap_grad_reduce
     sd = costs.slowdown
     sdp = sd / (1 + sd)
@@ -496,7 +504,8 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
                 # after the pass): its units' waits are charged after the pass, not between
                 free = not any(
                     (dpu[offset[c] + k - lo].gather_fwd or mb == 0) if forward
-                    else (dpu[offset[c] + k - lo].gather_bwd and reshard) or dpu[offset[c] + k - lo].reduce
+                    else (dpu[offset[c] + k - lo].gather_bwd and reshard)
+                    or (dpu[offset[c] + k - lo].reduce and not accumulate)
                     for k in list(order)[1:])
                 deferred = 0.0
                 first = True
@@ -511,7 +520,8 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
                         start = now
                     else:
                         start = now + wait
-                    gathered = bool(d.gather_fwd) if forward else bool(d.gather_bwd and reshard)
+                    gathered = bool(d.gather_fwd and (mb == 0 or not accumulate)) if forward \
+                        else bool(d.gather_bwd and reshard)
                     if gathered:
                         slot = len(consumed[s]) - depth - 1
                         t_ag[s] = max(t_ag[s], params_ready[i], consumed[s][slot] if slot >= 0 else -math.inf) + (
@@ -519,7 +529,8 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
                         start = max(start, t_ag[s])
                     elif forward and mb == 0:
                         start = max(start, params_ready[i])
-                    if not forward and d.reduce and len(scatters[s]) >= slots:
+                    reduces = d.reduce and not accumulate
+                    if not forward and reduces and len(scatters[s]) >= slots:
                         start = max(start, scatters[s][-slots])
                     if forward:
                         seconds, kernel, wait = uc.forward_s, uc.forward_kernel_s, uc.after_forward_s
@@ -540,7 +551,7 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
                         consumed[s].append(now)
                     if not forward:
                         done = now
-                        if d.reduce:
+                        if reduces:
                             t_rs[s] = max(t_rs[s], now) + d.reduce
                             scatters[s].append(t_rs[s])
                             done = t_rs[s]

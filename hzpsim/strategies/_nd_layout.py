@@ -24,10 +24,15 @@ def dims(config: Any) -> ParallelDims:
 
 
 def schedule(config: Any) -> Schedule:
-    """Megatron's distributed-optimizer overlap flags; with zero_stage 3, FSDP's prefetch."""
-    return Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=True,
+    """Megatron's distributed-optimizer overlap flags; with zero_stage 3, FSDP's prefetch. With
+    pipeline stages and sharded gradients, an implementation that keeps FSDP units unsharded
+    across micro-batches (``Implementation.pp_keeps_unsharded``: torchtitan) gathers once and
+    reduces once per step."""
+    implementation = _implementations.get(config.implementation)
+    keep = config.pp > 1 and config.zero_stage >= 2 and implementation.pp_keeps_unsharded
+    return Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=not keep, accumulate_unsharded=keep,
                     overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather,
-                    implementation=_implementations.get(config.implementation))
+                    implementation=implementation)
 
 
 @dataclass(frozen=True, kw_only=True)

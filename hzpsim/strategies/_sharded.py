@@ -130,6 +130,7 @@ class Schedule:
 
     prefetch_depth: int = 1  # all-gathers issued ahead of use; D+1 gather buffers in a ring
     reshard_after_forward: bool = True  # gather again for the backward
+    accumulate_unsharded: bool = False  # gathered once per step, gradients accumulated unsharded, reduced at its end
     overlap_grad_reduce: bool = True  # step-end gradient collectives start as units finish
     overlap_param_gather: bool = True  # next step's forward waits per unit, not for all
     reduce_buffers: int = 2  # gradient buffers awaiting their reduce-scatter; a full ring stalls the backward
@@ -158,6 +159,9 @@ class Schedule:
             raise ValueError(f"reduce_buffers: must be >= 1, got {self.reduce_buffers}")
         if self.hierarchical_gather < 1:
             raise ValueError(f"hierarchical_gather: must be >= 1, got {self.hierarchical_gather}")
+        if self.accumulate_unsharded and self.reshard_after_forward:
+            raise ValueError("reshard_after_forward: parameters kept unsharded across micro-batches are not "
+                             "resharded after the forward")
         if self.backward_gather_size < 0:
             raise ValueError(f"hpz_partition_size: must be >= 1, got {self.backward_gather_size}")
         for name in ("forward_gather_bytes_per_element", "grad_reduce_bytes_per_element"):
@@ -354,12 +358,15 @@ class ShardedParams:
         for lane in emit.lanes:
             emit.graph.add_static(lane, static)
         # every use needs a gather when parameters are sharded (the backward reuses the
-        # forward's gather when they are not resharded after the forward)
+        # forward's gather when they are not resharded after the forward; kept unsharded across
+        # micro-batches, the step's first forward gathers for all)
+        self.accumulate = schedule.accumulate_unsharded
+        self.pending: dict[int, Ids] = {}  # accumulating: each unit's last backward, awaiting its reduction
         self.gathers: list[Use] = []
         if p > 1:
             self.gathers = [
                 use for use in uses
-                if self.params[use[3]] > 0 and (use[2] == "fwd" or schedule.reshard_after_forward)
+                if self.params[use[3]] > 0 and self._gathers(use)
             ]
         self.gather_index = {use: i for i, use in enumerate(self.gathers)}
         self.gather_ids: list[Ids | None] = [None] * len(self.gathers)
@@ -372,6 +379,13 @@ class ShardedParams:
         self.losses: dict[tuple[int, int], Ids] = {}  # (step, micro-batch) -> the loss's backward
 
     # ------------------------------------------------------------------ gathers
+
+    def _gathers(self, use: Use) -> bool:
+        """Whether ``use`` (of a unit with sharded parameters) gathers them."""
+        _, mb, phase, _ = use
+        if self.accumulate:
+            return phase == "fwd" and mb == 0
+        return phase == "fwd" or self.schedule.reshard_after_forward
 
     def _issue_gathers(self) -> None:
         depth = self.schedule.effective_prefetch_depth
@@ -387,7 +401,8 @@ class ShardedParams:
             if (phase == "bwd" and self.schedule.implementation.gather_after_loss and index
                     and self.gathers[index - 1][2] == "fwd"):
                 # the backward's first gather: its unit's pre-backward hook runs only once autograd
-                # has gone through the loss (FSDP: hooks on the unit's outputs)
+                # has gone through the loss, or received the next pipeline stage's gradient
+                # (FSDP: hooks on the unit's outputs)
                 loss = self.losses.get((step, mb))
                 if loss is None:
                     return
@@ -420,13 +435,11 @@ class ShardedParams:
         return self.emit.collective("all_gather", self.instances["param"], size, f"ag.{phase}.{label}",
                                     "param_gather", stream, deps, step, alloc=buffer, count=count, sync=sync)
 
-    def copy_bytes(self, u: int, phase: str) -> float:
+    def copy_bytes(self, u: int, phase: str, mb: int) -> float:
         """HBM bytes of the device copies around unit ``u``'s gather (read + write), 0 when the
         implementation makes none or nothing is gathered."""
         factor = self.schedule.implementation.copy_bytes_per_gathered_byte
-        if not factor or self.p == 1 or not self.params[u]:
-            return 0.0
-        if phase == "bwd" and not self.schedule.reshard_after_forward:
+        if not factor or self.p == 1 or not self.params[u] or not self._gathers((0, mb, phase, u)):
             return 0.0
         return 2.0 * factor * self.params[u] * self.param_element_bytes
 
@@ -434,7 +447,9 @@ class ShardedParams:
         step, mb, phase, u = use
         if self.p == 1 or self.params[u] == 0:
             return self.params_ready.get(u) if mb == 0 and phase == "fwd" else None
-        if phase == "bwd" and not self.schedule.reshard_after_forward:
+        if self.accumulate:
+            use = (step, 0, "fwd", u)
+        elif phase == "bwd" and not self.schedule.reshard_after_forward:
             use = (step, mb, "fwd", u)
         self._issue_gathers()
         return self.gather_ids[self.gather_index[use]]
@@ -450,29 +465,46 @@ class ShardedParams:
 
     def forward_done(self, step: int, mb: int, u: int, ids: Ids) -> None:
         if self.p > 1 and self.params[u]:
-            self.consumer_ids[self.gather_index[(step, mb, "fwd", u)]] = ids
+            index = self.gather_index.get((step, mb, "fwd", u))
+            if index is not None:
+                self.consumer_ids[index] = ids
             self._issue_gathers()
 
     # ------------------------------------------------------------------ gradients
 
     def loss_done(self, step: int, mb: int, ids: Ids) -> None:
-        """The loss's backward of micro-batch ``mb`` was emitted (the gathers that wait for it go)."""
-        self.losses[(step, mb)] = ids
-        self._issue_gathers()
+        """The backward pass of micro-batch ``mb`` starts after ``ids``: the loss's backward, or
+        the gradient a pipeline stage receives (the first call counts; the gathers that wait
+        for it go)."""
+        if (step, mb) not in self.losses:
+            self.losses[(step, mb)] = ids
+            self._issue_gathers()
 
     def backward_deps(self, step: int, mb: int, u: int) -> list[Ids | None]:
         deps = [self._gather_for((step, mb, "bwd", u))]
         slots = self.schedule.reduce_buffers
-        if self.g > 1 and self.params[u] and len(self.scatters) >= slots:
+        if self.g > 1 and self.params[u] and len(self.scatters) >= slots and not self.accumulate:
             deps.append(self.scatters[-slots])  # wait for a free gradient buffer
         return deps
 
     def backward_alloc(self, u: int) -> float:
-        """Full-unit gradient buffer bytes taken by the backward of ``u`` (until its reduce)."""
-        return self.params[u] * self.grad_element_bytes if self.g > 1 and self.dynamic_buffers else 0.0
+        """Full-unit gradient buffer bytes taken by the backward of ``u``: until its reduce, or,
+        accumulating, the micro-batch's gradient in the parameter dtype that is added into the
+        accumulator (:meth:`accumulator_bytes`) as the backward ends."""
+        if self.g == 1 or not self.dynamic_buffers:
+            return 0.0
+        return self.params[u] * (self.param_element_bytes if self.accumulate else self.grad_element_bytes)
+
+    def accumulator_bytes(self, u: int) -> float:
+        """Accumulating: the unsharded gradient in the reduce dtype that the step's first backward
+        of ``u`` takes and its step-end reduce-scatter frees (0 otherwise)."""
+        return self.params[u] * self.grad_element_bytes if self.accumulate and self.g > 1 else 0.0
 
     def backward_free(self, u: int) -> float:
-        """Gather-buffer bytes the backward of ``u`` frees when it ends."""
+        """Gather-buffer bytes the backward of ``u`` frees when it ends (accumulating: the
+        micro-batch's gradient; the gathered parameters stay until the step-end reduction)."""
+        if self.accumulate:
+            return self.backward_alloc(u)
         return self.params[u] * self.param_element_bytes if self.p > 1 and self.dynamic_buffers else 0.0
 
     def backward_done(self, step: int, mb: int, u: int, ids: Ids, last_mb: bool) -> None:
@@ -480,6 +512,10 @@ class ShardedParams:
             self.consumer_ids[self.gather_index[(step, mb, "bwd", u)]] = ids
         if self.p > 1 and self.params[u]:
             self._issue_gathers()
+        if self.accumulate:
+            if last_mb and self.params[u]:
+                self.pending[u] = ids
+            return
         done = ids
         if self.g > 1 and self.params[u]:
             calls = self.reduce_calls[u]
@@ -498,6 +534,18 @@ class ShardedParams:
         wait = None if self.schedule.effective_overlap_grad_reduce else end_of_backward
         reduced: list[Ids] = []
         stream = self.schedule.stream("dp")
+        # accumulated unsharded: every unit's reduce-scatter after the stage's last backward
+        # (torch.distributed.pipelining's perform_reduce_grad), freeing the accumulator and the
+        # gathered parameters
+        for u in sorted(self.pending, reverse=True):
+            gathered = self.params[u] * self.param_element_bytes if self.p > 1 and self.dynamic_buffers else 0.0
+            calls = self.reduce_calls[u]
+            self.final_grads[u] = self.emit.collective(
+                "reduce_scatter", self.instances["grad"], self.params[u] * self.reduce_element_bytes / calls,
+                f"rs.{self.names[u]}", "grad_reduce", self.schedule.stream("rs"), [self.pending[u], end_of_backward],
+                step, free=self.accumulator_bytes(u) + gathered, count=calls,
+            ) if self.g > 1 else self.pending[u]
+        self.pending = {}
         if self.schedule.implementation.whole_buffer_step_reduce and self.o == self.g and self.replicas > 1:
             # one all-reduce of the whole contiguous gradient buffer after the backward
             units = [u for u in sorted(self.final_grads, reverse=True) if self.params[u]]

@@ -9,9 +9,11 @@ simulate anything themselves.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hzpsim import strategies
+from hzpsim.model.goodput import goodput, whole_run
 from hzpsim.model.ops import OpGraph
 from hzpsim.report import build_report
 from hzpsim.scenario import Scenario, StrategyChoice
@@ -34,7 +36,36 @@ def report_of(scenario: Scenario, choice: StrategyChoice, graph: OpGraph, traces
     trace = simulate(graph, scenario.topology)
     if traces is not None:
         traces.append(trace)
-    return build_report(trace, scenario.model, scenario.training, choice.resolved())
+    report = build_report(trace, scenario.model, scenario.training, choice.resolved())
+    report.update(plan_of(scenario, graph, report))
+    return report
+
+
+def plan_of(scenario: Scenario, graph: OpGraph, report: dict[str, Any]) -> dict[str, Any]:
+    """The whole run around the step (``model/goodput.py``): ``goodput`` when failures or
+    checkpoints are set (each rank saves the model states it holds: its parameters and
+    optimizer states, the most any device holds), ``time_to_train_s``, ``device_hours`` and
+    ``cost`` when ``training.total_tokens`` is set."""
+    training, n = scenario.training, report["num_devices"]
+    plan: dict[str, Any] = {"goodput": None}
+    fraction = 1.0
+    if training.failures is not None or training.checkpoint is not None:
+        states = max(memory.get("params", 0.0) + memory.get("optimizer", 0.0)
+                     for memory in graph.static_memory.values())
+        plan["goodput"] = goodput(report["step_time_s"], n, states, training.failures, training.checkpoint)
+        fraction = plan["goodput"]["fraction"]
+    plan.update(whole_run(report["tokens_per_s"], n, training.total_tokens, fraction,
+                          scenario.topology.spec.price_per_device_hour))
+    return plan
+
+
+def effective_step_s(report: dict[str, Any]) -> float:
+    """The step time a run sees on the wall: the step over the goodput fraction (the step
+    itself without failures and checkpoints; infinite when the run never trains)."""
+    g = report.get("goodput")
+    if not g:
+        return report["step_time_s"]
+    return report["step_time_s"] / g["fraction"] if g["fraction"] > 0 else math.inf
 
 
 def resolve(scenario: Scenario, name: str, config: Any) -> StrategyChoice:

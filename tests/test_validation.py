@@ -373,7 +373,12 @@ def test_published_memory_meets_the_fixed_ceilings():
     """The published per-GPU memory rows (hzpsim/data/published_memory.csv) as issue 20 asks:
     at least 20 scored rows from 3 sources, median |error| within 10 % (a fixed ceiling, not a
     ratchet), and no row that ran and states its recompute and micro-batch predicted not to fit."""
-    from hzpsim.validation.published_memory import false_oom_rows, memory_cases, memory_summary, validate_memory
+    from hzpsim.validation.published_memory import (
+        false_oom_rows,
+        memory_cases,
+        memory_summary,
+        validate_memory,
+    )
 
     frame = validate_memory(memory_cases())
     summary = memory_summary(frame)

@@ -73,6 +73,28 @@ def format_table(reports: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_whole_run(reports: Sequence[dict[str, Any]]) -> str:
+    """One line per strategy for the whole run, where ``total_tokens``, failures or checkpoints
+    are set: days to train, goodput, device-hours and cost ("" when none is)."""
+    lines = []
+    for r in reports:
+        g, days = r.get("goodput"), r.get("time_to_train_s")
+        if g is None and days is None:
+            continue
+        parts = []
+        if days is not None:
+            parts.append(f"{days / 86400:,.1f} days to train, {r['device_hours']:,.0f} device-hours")
+        if g is not None:
+            interval = g["checkpoint_interval_s"]
+            parts.append(f"goodput {g['fraction']:.1%} ({g['expected_interruptions_per_day']:.2f} interruptions/day, "
+                         + ("no checkpoints" if interval is None else f"a checkpoint every {interval / 60:,.0f} min")
+                         + ")")
+        if r.get("cost") is not None:
+            parts.append(f"cost {r['cost']:,.0f}")
+        lines.append(f"{strategies.label(r['strategy_resolved']):<34} " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 def format_breakdown(report: dict[str, Any]) -> str:
     """One line per place the critical rank's step goes (``time_breakdown_s``)."""
     step = report["step_time_s"]
@@ -136,6 +158,9 @@ def _simulate(args: argparse.Namespace, compare: bool) -> int:
         print(format_summary(scenario))
         print()
         print(format_table(reports))
+        whole = format_whole_run(reports)
+        if whole:
+            print(whole)
         if scenario.source == "<default>":
             print()
             print(DEFAULT_NOTE)

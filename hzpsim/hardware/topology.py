@@ -173,6 +173,7 @@ class ClusterSpec:
     variability: float | None = None  # cv of per-rank time between synchronisations; None = default
     variability_seed: int | None = None  # seed of the sampled draws under --expand; None = 0
     stragglers: tuple[Straggler, ...] = ()  # explicit slow devices, nodes and links; none by default
+    price_per_device_hour: float | None = None  # what one device costs per hour: the run's cost in the report
 
     def validate(self) -> None:
         """Check the fields that are set; raise ``ValueError("<field>: <problem>")``."""
@@ -223,6 +224,9 @@ class ClusterSpec:
         v = self.min_memory_headroom_bytes
         if not (_is_number(v) and v >= 0 and math.isfinite(v)):
             raise ValueError(f"min_memory_headroom_bytes: must be a finite number of bytes >= 0, got {v!r}")
+        v = self.price_per_device_hour
+        if v is not None and not (_is_number(v) and v >= 0 and math.isfinite(v)):
+            raise ValueError(f"price_per_device_hour: must be a finite price >= 0, got {v!r}")
         v = self.spine_oversubscription
         if v is not None and not (_is_number(v) and v >= 1 and math.isfinite(v)):
             raise ValueError(f"spine_oversubscription: must be a finite ratio >= 1, got {v!r}")
@@ -303,7 +307,7 @@ class ClusterSpec:
         # each value comes from a validated mapping (this spec or the preset file); only the
         # cross-field rule can be broken by mixing the two
         _check_islands_divide(values["gpus_per_node"], values["islands_per_node"])
-        missing = [k for k, v in values.items() if v is None]
+        missing = [k for k, v in values.items() if v is None and k not in _OPTIONAL_FIELDS]
         if missing:
             raise ValueError(f"{missing[0]}: not set and preset {base_name!r} has no default")
         devices = values["num_nodes"] * values["gpus_per_node"]
@@ -312,10 +316,15 @@ class ClusterSpec:
                 raise ValueError(f"stragglers[{i}].device: {straggler.device} out of range [0, {devices}) "
                                  f"({values['num_nodes']} nodes x {values['gpus_per_node']} devices)")
         typed: dict[str, Any] = {  # plain int / float, whatever numbers the spec was built with
-            k: v if isinstance(v, (str, tuple, bool)) else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
+            k: v if v is None or isinstance(v, (str, tuple, bool))
+            else int(v) if k in (*_COUNT_FIELDS, "variability_seed") else float(v)
             for k, v in values.items()
         }
         return ResolvedCluster(**typed, device_spec=device)
+
+
+_OPTIONAL_FIELDS = ("price_per_device_hour",)
+"""Cluster fields that may stay unset after the preset is applied (None: not asked for)."""
 
 
 def _check_islands_divide(gpus_per_node: int | None, islands_per_node: int | None) -> None:
@@ -381,6 +390,8 @@ class ResolvedCluster:
     """Seed of the sampled draws under ``--expand``."""
     stragglers: tuple[Straggler, ...] = ()
     """Explicit slow devices, nodes and links (validated, in range)."""
+    price_per_device_hour: float | None = None
+    """What one device costs per hour (None: not given, no cost in the report)."""
     device_spec: Device | None = None
     """The device ``device`` names, read from its file once, at load (None: read when built)."""
 

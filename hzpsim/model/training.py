@@ -2,12 +2,56 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 Precision = Literal["bf16", "fp16", "fp8", "fp32"]
 AttentionKernel = Literal["auto", "flash2", "flash3", "cudnn", "triton", "unfused"]
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
+
+
+# Llama 3 (Dubey et al. 2024, arXiv 2407.21783, section 3.3.4): 419 unexpected interruptions in a
+# 54-day snapshot of pre-training on 16,384 H100 GPUs: 16,384 x 54 x 24 / 419 device-hours each
+LLAMA3_MTBF_DEVICE_HOURS = 16_384 * 54 * 24 / 419
+# Llama 3, section 3.3.1: Tectonic serves checkpoints at 2 TB/s sustained to the 16,384 GPUs
+LLAMA3_WRITE_BYTES_PER_S_PER_DEVICE = 2e12 / 16_384
+# PCIe Gen5 x16: 64 GB/s each way (NVIDIA H100 SXM datasheet: "PCIe Gen5: 128 GB/s", both ways),
+# what an asynchronous save's device-to-host copy of the shard moves at most
+PCIE_GEN5_X16_BYTES_PER_S = 64e9
+
+
+@dataclass(frozen=True)
+class Failures:
+    """``training.failures``: how often a device fails and what a restart costs (goodput)."""
+
+    restart_s: float  # from a failure to training again (re-scheduling, NCCL initialisation,
+    # loading the checkpoint, compiling): required, no published figure is general enough for a default
+    mtbf_device_hours: float = LLAMA3_MTBF_DEVICE_HOURS  # mean time between failures of one device
+
+    def validate(self) -> None:
+        if not self.mtbf_device_hours > 0:
+            raise ValueError(f"mtbf_device_hours: must be > 0, got {self.mtbf_device_hours}")
+        if self.restart_s < 0:
+            raise ValueError(f"restart_s: must be >= 0, got {self.restart_s}")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """``training.checkpoint``: how often and how fast the model states are saved (goodput)."""
+
+    interval: int | Literal["auto"] = "auto"  # optimizer steps between saves; auto = Young's optimum
+    write_bytes_per_s_per_device: float = LLAMA3_WRITE_BYTES_PER_S_PER_DEVICE  # storage write
+    # bandwidth each device gets (every rank writes its shard of the states)
+    snapshot_bytes_per_s: float = PCIE_GEN5_X16_BYTES_PER_S  # an asynchronous save's device-to-host copy
+    async_: bool = field(default=False, metadata={"key": "async"})  # training resumes after the
+    # snapshot (torch.distributed.checkpoint.async_save); false: after the write
+
+    def validate(self) -> None:
+        if self.interval != "auto" and self.interval < 1:
+            raise ValueError(f"interval: must be >= 1 step or auto, got {self.interval}")
+        for name in ("write_bytes_per_s_per_device", "snapshot_bytes_per_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: must be > 0 bytes/s, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -31,6 +75,9 @@ class Training:
     fused_kernels: bool = False  # the model code fuses its pointwise kernels by hand, as Megatron-LM
     # and Transformer Engine do (bias-dropout-add, norm + residual): the same traffic as compile
     num_steps: int = 2  # optimizer steps simulated; the last one is reported (steady state)
+    total_tokens: float | None = None  # tokens of the whole run: time_to_train_s (and cost) in the report
+    failures: Failures | None = None  # device failures: goodput in the report (model/goodput.py)
+    checkpoint: Checkpoint | None = None  # checkpoint saves (with failures: auto interval by default)
 
     def validate(self) -> None:
         if self.global_batch_size < 1:
@@ -49,6 +96,8 @@ class Training:
             )
         if not 2 <= self.num_steps <= 100:
             raise ValueError("num_steps: must be between 2 and 100 (the last step is reported)")
+        if self.total_tokens is not None and not self.total_tokens > 0:
+            raise ValueError(f"total_tokens: must be > 0, got {self.total_tokens}")
 
     @property
     def fused_pointwise(self) -> bool:

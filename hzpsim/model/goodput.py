@@ -1,0 +1,90 @@
+"""Goodput: the share of wall time a run trains, given device failures and checkpoints.
+
+The first-order model of checkpoint/restart (Young, "A first order approximation to the optimum
+checkpoint interval", CACM 17(9), 1974; Daly, "A higher order estimate of the optimum
+checkpoint interval for restart dumps", FGCS 22(3), 2006):
+
+- the cluster fails as a whole when any device fails: devices fail independently at a constant
+  rate, so the cluster's mean time between failures is M = ``mtbf_device_hours`` x 3600 / N;
+- every checkpoint stalls training for δ: the write of each rank's shard of the model states to
+  storage (a synchronous save), or only the device-to-host snapshot of it (an asynchronous save,
+  ``torch.distributed.checkpoint.async_save``, which then writes in the background);
+- a failure costs the restart (``restart_s``) and the work since the last complete checkpoint:
+  on average half an interval of wall time, (τ + δ)/2, plus, for an asynchronous save, the write
+  that had not finished yet (the newest checkpoint is complete only a write's time after it was
+  taken);
+- ``interval: auto`` is Young's optimum τ = √(2 δ M); Daly's higher-order terms matter only when
+  δ is not small against M, which the report then shows as a low fraction.
+
+The fraction of wall time that trains is the first-order sum (Daly's eq. 1 to first order):
+1 − δ/(τ + δ) − (R + (τ + δ)/2 + lag)/M, with R = ``restart_s`` and lag the asynchronous write;
+``lost_s_per_day`` splits the rest of each day into ``checkpoint``, ``rework`` and ``restart``.
+It holds while τ, δ and R are small against M (what a run that trains at all needs); an
+asynchronous save, whose stall is shorter but whose checkpoint completes later, gains exactly
+when τ < 2M(W − s)/(W + s) (W the write, s the snapshot): at Young's interval, and at any
+interval below about twice the MTBF. Pure arithmetic on the step time and the states' size;
+the report (``run.plan_of``) supplies both.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from hzpsim.model.training import Checkpoint, Failures
+
+DAY_S = 86_400.0
+
+
+def young_interval_s(stall_s: float, cluster_mtbf_s: float) -> float:
+    """Young's optimum checkpoint interval √(2 δ M) in seconds of training."""
+    return math.sqrt(2.0 * stall_s * cluster_mtbf_s)
+
+
+def goodput(step_time_s: float, num_devices: int, state_bytes_per_device: float,
+            failures: Failures | None, checkpoint: Checkpoint | None) -> dict[str, Any]:
+    """The ``goodput`` section of a report: the fraction of wall time that trains, the
+    checkpoint interval, the expected interruptions and the seconds lost per day by cause."""
+    checkpoint = checkpoint or Checkpoint()
+    write_s = state_bytes_per_device / checkpoint.write_bytes_per_s_per_device
+    stall_s = state_bytes_per_device / checkpoint.snapshot_bytes_per_s if checkpoint.async_ else write_s
+    stall_s = min(stall_s, write_s)  # a snapshot never takes longer than writing it out
+    mtbf_s = failures.mtbf_device_hours * 3600.0 / num_devices if failures is not None else math.inf
+    if checkpoint.interval == "auto":
+        interval_s = young_interval_s(stall_s, mtbf_s) if math.isfinite(mtbf_s) else math.inf
+    else:
+        interval_s = checkpoint.interval * step_time_s
+    per_day = DAY_S / mtbf_s
+    lag_s = write_s if checkpoint.async_ else 0.0  # the newest checkpoint completes a write later
+    cycle_s = interval_s + stall_s
+    saving = DAY_S * stall_s / cycle_s if math.isfinite(cycle_s) and cycle_s > 0 else 0.0
+    restart = per_day * failures.restart_s if failures is not None else 0.0
+    rework = per_day * (cycle_s / 2.0 + lag_s) if per_day else 0.0
+    fraction = min(max(1.0 - (saving + restart + rework) / DAY_S, 0.0), 1.0)
+    return {
+        "fraction": fraction,
+        "checkpoint_interval_s": interval_s if math.isfinite(interval_s) else None,
+        "checkpoint_interval_steps": (interval_s / step_time_s) if math.isfinite(interval_s) else None,
+        "checkpoint_stall_s": stall_s,
+        "checkpoint_write_s": write_s,
+        "checkpoint_bytes_per_device": state_bytes_per_device,
+        "cluster_mtbf_s": mtbf_s if math.isfinite(mtbf_s) else None,
+        "expected_interruptions_per_day": per_day,
+        "lost_s_per_day": {"checkpoint": saving, "rework": rework, "restart": restart},
+    }
+
+
+def whole_run(tokens_per_s: float, num_devices: int, total_tokens: float | None, fraction: float,
+              price_per_device_hour: float | None) -> dict[str, Any]:
+    """``time_to_train_s`` for ``total_tokens`` at ``tokens_per_s`` while training a ``fraction``
+    of the wall time, and its ``cost`` at ``price_per_device_hour`` (None where not asked or
+    where the run never trains)."""
+    out: dict[str, Any] = {"time_to_train_s": None, "device_hours": None, "cost": None}
+    if total_tokens is None or fraction <= 0:
+        return out
+    seconds = total_tokens / tokens_per_s / fraction
+    out["time_to_train_s"] = seconds
+    out["device_hours"] = seconds / 3600.0 * num_devices
+    if price_per_device_hour is not None:
+        out["cost"] = out["device_hours"] * price_per_device_hour
+    return out

@@ -31,6 +31,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from hzpsim.hardware.compute import calibrated_device
 from hzpsim.hardware.topology import INTRA_NODE_LEVELS
 from hzpsim.model import Model
 from hzpsim.model.ops import (
@@ -318,6 +319,7 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
         "comm_bytes_per_device": bytes_by_rank[busiest],
         "strategy_resolved": strategy_resolved,
         "num_devices": n,
+        "calibrated_device": calibrated_device(device),
         "sim_wall_s": trace.sim_wall_s,
         "num_events": trace.num_events,
     }

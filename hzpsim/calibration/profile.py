@@ -44,6 +44,10 @@ class Profile:
     """The measured machine's fabric (ClusterSpec fields of its node)."""
     measurements: Mapping[str, Any] = field(default_factory=dict)
     """What ``hzpsim calibrate machine`` measured, raw; informational."""
+    fitted: frozenset[str] = frozenset()
+    """The constants this profile gives a value of its own (a fit's, or a profile file's
+    ``constants``); the others keep their cited priors. A device whose GEMM constant is among
+    them is a calibrated device (``hardware.compute.calibrated_device``)."""
 
     def machine(self) -> dict[str, Any]:
         """The machine part: {device, cluster, measurements} ({} when the profile has none)."""
@@ -58,7 +62,8 @@ class Profile:
         """The constants fitted without ``source`` (the full fit if the profile has no such fold)."""
         if source not in self.folds:
             return self
-        return Profile({**self.constants, **self.folds[source]}, origin=f"{self.origin}#{source}")
+        return Profile({**self.constants, **self.folds[source]}, origin=f"{self.origin}#{source}",
+                       fitted=self.fitted | frozenset(self.folds[source]))
 
     def to_json(self) -> str:
         doc = {"format": FORMAT, "constants": dict(self.constants),
@@ -106,9 +111,11 @@ def load(path: str | Path) -> Profile:
     if not isinstance(doc, dict) or (doc.get("format") != FORMAT and not legacy_machine):
         raise ValueError(f"{str(p)!r} is not a calibration profile (format must be {FORMAT!r})")
     if "constants" in doc:
-        constants = {**priors(), **_values(doc.get("constants", {}), "constants")}
+        own = _values(doc.get("constants", {}), "constants")
+        constants, fitted = {**priors(), **own}, frozenset(own)
     else:  # a machine's profile: the shipped fit's constants
-        constants = dict(_shipped().constants)
+        shipped = _shipped()
+        constants, fitted = dict(shipped.constants), shipped.fitted
     folds_doc = doc.get("folds", {})
     if not isinstance(folds_doc, dict):
         raise ValueError("folds: must be a mapping of source ids to constants")
@@ -124,7 +131,8 @@ def load(path: str | Path) -> Profile:
         raise ValueError(f"{str(p)!r}: cluster: must be a mapping of fabric fields to numbers")
     measurements = doc.get("measurements", {})
     return Profile(constants, folds, str(p), report if isinstance(report, dict) else {}, device,
-                   {k: float(v) for k, v in cluster.items()}, measurements if isinstance(measurements, dict) else {})
+                   {k: float(v) for k, v in cluster.items()}, measurements if isinstance(measurements, dict) else {},
+                   fitted)
 
 
 def _shipped() -> Profile:

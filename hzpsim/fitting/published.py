@@ -277,7 +277,7 @@ def calibrate(measurements: Sequence[Measurement], start: Profile, iterations: i
         "method": "least squares on ln(predicted/measured tokens/s per device) over cached per-row "
                   "cost terms (hzpsim.fitting.published), re-anchored by simulation",
     }
-    return Profile(full, folds, "fit", report), terms
+    return Profile(full, folds, "fit", report, fitted=frozenset(full)), terms
 
 
 # -- reading measured runs --------------------------------------------------------------------

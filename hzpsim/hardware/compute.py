@@ -46,6 +46,20 @@ def efficiency_for(device: Device) -> Efficiency:
                    attention_fraction=fit["attention_kernel_fraction"])
 
 
+def calibrated_device(device: Device) -> bool:
+    """Whether the device's own compute rate is calibrated (the run report's
+    ``calibrated_device``): the active calibration profile fitted the GEMM constant its device
+    file names (``efficiency.gemm_constant``, e.g. ``gemm_sm_efficiency.h100``, fitted on the
+    published rows that run on that SM design), or, for a device whose rates are measurements
+    (``fitted_constants: false``), ``hzpsim calibrate machine`` measured its GEMM sweep. False:
+    its GEMM efficiency is the device file's prior (a device no calibration row runs on),
+    even where the device-independent fitted constants (attention, HBM) apply to it."""
+    e = device.efficiency
+    if not e.fitted_constants:
+        return bool(device.gemm_sweep)
+    return e.gemm_constant is not None and f"gemm_sm_efficiency.{e.gemm_constant}" in calibration.active().fitted
+
+
 #: Threadblock tiles (M×N) that cuBLAS/CUTLASS pick from for 16-bit tensor-core GEMMs on
 #: Ampere and Hopper (CUTLASS's default Sm80/Sm90 tile configurations; NVIDIA's matmul guide
 #: discusses 256×128 down to 64×64).

@@ -68,6 +68,8 @@ JSON_KEYS = (
     "comm_bytes_per_device",
     "strategy_resolved",
     "num_devices",
+    "num_parameters",
+    "num_active_parameters",
     "sim_wall_s",
     "num_events",
 )
@@ -320,6 +322,8 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
         "strategy_resolved": strategy_resolved,
         "num_devices": n,
         "calibrated_device": calibrated_device(device),
+        "num_parameters": model.num_params(),
+        "num_active_parameters": model.num_active_params(),
         "sim_wall_s": trace.sim_wall_s,
         "num_events": trace.num_events,
     }

@@ -2,7 +2,8 @@
 
 A scenario is ``model`` x ``training`` x ``cluster`` x ``strategy`` (or a ``strategies:`` list
 for side-by-side comparison). ``model`` and ``cluster`` may be preset names or mappings that
-start from a ``preset`` and override fields. Every error is a :class:`ScenarioError` whose
+start from a ``preset`` and override fields; ``model`` may also name a Hugging Face
+``config.json`` (:mod:`hzpsim.model.hf_config`). Every error is a :class:`ScenarioError` whose
 message names the key path; the CLI turns it into exit code 2.
 """
 
@@ -22,6 +23,7 @@ from hzpsim.config import ScenarioError, from_mapping, to_mapping
 from hzpsim.hardware.devices import for_gemms
 from hzpsim.hardware.topology import ClusterSpec, ResolvedCluster, Topology
 from hzpsim.model import Model
+from hzpsim.model.hf_config import is_config_path, model_fields
 from hzpsim.model.training import Training
 from hzpsim.presets import listing_once, load_preset, read_yaml
 
@@ -139,21 +141,38 @@ def _apply_override(data: dict[str, Any], parts: list[str], value: Any, text: st
         node[last] = value
 
 
-def _model_mapping(raw: Any) -> dict[str, Any]:
+def _model_preset(raw: Any) -> Any:
+    """The preset name or config path a scenario's ``model`` starts from (None: none)."""
+    if isinstance(raw, Mapping):
+        return raw.get("preset")
+    return raw
+
+
+def _model_mapping(raw: Any, base_dir: Path | None = None) -> dict[str, Any]:
+    """``model`` as Model fields: a preset name, the path of a Hugging Face config.json (or its
+    folder; relative to ``base_dir``, the scenario file's folder, when given), or a mapping
+    that may start from either with ``preset:``."""
     if raw is None:
-        raise ScenarioError("model: required (a preset name or a mapping)")
+        raise ScenarioError("model: required (a preset name, a config.json path or a mapping)")
     if isinstance(raw, str):
         raw = {"preset": raw}
     if not isinstance(raw, Mapping):
-        raise ScenarioError(f"model: expected a preset name or a mapping, got {raw!r}")
+        raise ScenarioError(f"model: expected a preset name, a config.json path or a mapping, got {raw!r}")
     data = dict(raw)
     preset = data.pop("preset", None)
     if preset is not None:
         if not isinstance(preset, str):
-            raise ScenarioError("model.preset: expected a preset name")
-        base = load_preset("workloads", preset, "model.preset")
-        if isinstance(base.get("moe"), dict) and isinstance(data.get("moe"), dict):
-            data["moe"] = {**base["moe"], **data["moe"]}
+            raise ScenarioError("model.preset: expected a preset name or a config.json path")
+        if is_config_path(preset):
+            path = Path(preset).expanduser()
+            if base_dir is not None and not path.is_absolute():
+                path = base_dir / path
+            base = model_fields(path, "model")
+        else:
+            base = load_preset("workloads", preset, "model.preset")
+        for block in ("moe", "mla"):  # a nested block given next to the preset overrides its fields
+            if isinstance(base.get(block), dict) and isinstance(data.get(block), dict):
+                data[block] = {**base[block], **data[block]}
         data = {**base, **data}
     return data
 
@@ -184,17 +203,22 @@ def _strategy_choice(raw: Any, path: str) -> StrategyChoice:
     return StrategyChoice(name=name, config=from_mapping(plugin.Config, data, path))
 
 
-def scenario_from_mapping(raw: Any, overrides: Sequence[str] = (), source: str = "<mapping>") -> Scenario:
+def scenario_from_mapping(raw: Any, overrides: Sequence[str] = (), source: str = "<mapping>",
+                          base_dir: Path | None = None) -> Scenario:
     """Build and validate a Scenario from a plain mapping plus ``--set`` overrides.
+
+    ``base_dir``: the folder a relative ``model`` config path of ``raw`` is read from (the
+    scenario file's; None: the working directory). A path given by an override is read from
+    the working directory.
 
     Per load the preset folders are listed once, the cluster preset file is read once and
     ``ClusterSpec.validate`` runs twice (the scenario's ``cluster`` mapping and that preset).
     """
     with listing_once():
-        return _scenario_from_mapping(raw, overrides, source)
+        return _scenario_from_mapping(raw, overrides, source, base_dir)
 
 
-def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str) -> Scenario:
+def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str, base_dir: Path | None) -> Scenario:
     if not isinstance(raw, Mapping):
         raise ScenarioError(f"{source}: a scenario must be a mapping")
     data = copy.deepcopy(dict(raw))
@@ -202,8 +226,11 @@ def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str) -> S
     if "strategies" in data and any(parts == ["strategy", "name"] for (parts, _), _ in parsed):
         # naming one strategy on the command line replaces the scenario's list
         del data["strategies"]
+    model_start = _model_preset(data.get("model"))
     for (parts, value), text in parsed:
         _apply_override(data, parts, value, text)
+    if _model_preset(data.get("model")) != model_start:  # the command line named the model
+        base_dir = None
     unknown = [k for k in data if k not in _TOP_KEYS]
     if unknown:
         raise ScenarioError(f"{unknown[0]}: unknown key (allowed: {', '.join(_TOP_KEYS)})")
@@ -212,7 +239,7 @@ def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str) -> S
     if data.get("name") is not None and not isinstance(data["name"], str):
         raise ScenarioError(f"name: expected a string, got {data['name']!r}")
 
-    model = from_mapping(Model, _model_mapping(data.get("model")), "model")
+    model = from_mapping(Model, _model_mapping(data.get("model"), base_dir), "model")
     raw_training = data.get("training")
     training = from_mapping(Training, {} if raw_training is None else raw_training, "training")
     cluster = from_mapping(ClusterSpec, _cluster_mapping(data.get("cluster")), "cluster")
@@ -260,4 +287,5 @@ def load_scenario(path: str | Path | None = None, overrides: Sequence[str] = ())
     if not file.is_file():
         raise ScenarioError(f"{path}: no such scenario file")
     document = read_yaml(file)
-    return scenario_from_mapping({} if document is None else document, overrides, source=str(path))
+    return scenario_from_mapping({} if document is None else document, overrides, source=str(path),
+                                 base_dir=file.parent)

@@ -172,7 +172,7 @@ class Embed(nn.Module):
     def __init__(self, model: Model) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(model.vocab_size, model.hidden_size)
-        self.pos_embeddings = nn.Embedding(model.seq_len, model.hidden_size) if model.position_embedding == "learned" else None
+        self.pos_embeddings = nn.Embedding(model.position_table_rows, model.hidden_size) if model.position_embedding == "learned" else None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok_embeddings(tokens)

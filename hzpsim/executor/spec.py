@@ -112,6 +112,8 @@ class RunSpec:
             raise ScenarioError(f"--device: {self.device!r} is not cpu or cuda")
         if m.mla is not None or m.tied_embeddings:
             raise ScenarioError("model: the executor builds no MLA and no tied embeddings")
+        if m.qkv_bias or m.qk_norm or (m.moe is not None and m.moe.shared_expert_gate):
+            raise ScenarioError("model: the executor builds no qkv_bias, qk_norm or moe.shared_expert_gate")
         if m.position_embedding == "alibi":
             raise ScenarioError("model.position_embedding: the executor builds rope, learned or none")
         if self.strategy == "reference" and n != 1:

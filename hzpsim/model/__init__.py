@@ -9,6 +9,7 @@ One module per job:
 - :mod:`~hzpsim.model.checkpointing`: recompute modes and policies (torchtitan's per-op
   selective checkpointing);
 - :mod:`~hzpsim.model.dispatch`: eager ATen dispatches and fused kernel launches per layer;
+- :mod:`~hzpsim.model.hf_config`: a Hugging Face ``config.json`` read into Model fields;
 - :mod:`~hzpsim.model.kernels`, :mod:`~hzpsim.model.ops`, :mod:`~hzpsim.model.training`: the
   kernel list, one rank's op graph and the training settings.
 

@@ -49,6 +49,9 @@ class MoE:
     """Leading layers that keep the dense MLP (layers, default 0)."""
     shared_expert_ffn_hidden_size: int | None = None
     """Intermediate size of one shared expert (elements, default ``expert_ffn_hidden_size``)."""
+    shared_expert_gate: bool = False
+    """A sigmoid gate h × 1 scales the shared experts' output (Qwen2-MoE's ``shared_expert_gate``);
+    counted with the router, as one more router output (default false)."""
 
     @property
     def shared_ffn_resolved(self) -> int:
@@ -149,6 +152,16 @@ class Model:
     memory (default true, Korthikanti's Table 2 convention; Llama/Mixtral train without)."""
     mla: MLA | None = None
     """Multi-head latent attention (default None = standard MHA/GQA attention)."""
+    qkv_bias: bool = False
+    """Only the Q, K and V projections carry a bias (Qwen2; default false; ``linear_bias``
+    already includes them). Parameters only: bias adds are not counted as kernels."""
+    qk_norm: bool = False
+    """A norm of head_dim over each query and key head (Qwen3's q_norm / k_norm; default false).
+    Parameters only (2 × head_dim per layer, in ``attention_params``), like MLA's latent norms:
+    their activations and kernels are not modelled."""
+    max_position_embeddings: int | None = None
+    """Rows of a learned position table (tokens, default ``seq_len``; only with
+    position_embedding "learned", e.g. GPT-2's n_positions)."""
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -174,6 +187,12 @@ class Model:
                 raise ValueError(
                     f"num_kv_heads: num_heads ({self.num_heads}) is not divisible by "
                     f"num_kv_heads ({self.num_kv_heads})"
+                )
+        if self.max_position_embeddings is not None:
+            if self.max_position_embeddings < self.seq_len:
+                raise ValueError(
+                    f"max_position_embeddings: {self.max_position_embeddings} is shorter than "
+                    f"seq_len ({self.seq_len})"
                 )
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"head_dim: must be >= 1, got {self.head_dim}")
@@ -205,8 +224,11 @@ class Model:
                 self.mla.validate()
             except ValueError as exc:
                 raise ValueError(f"mla.{exc}") from None
-            if self.linear_bias:
-                raise ValueError("linear_bias: biases are not modelled together with mla")
+            if self.linear_bias or self.qkv_bias:
+                name = "linear_bias" if self.linear_bias else "qkv_bias"
+                raise ValueError(f"{name}: biases are not modelled together with mla")
+            if self.qk_norm:
+                raise ValueError("qk_norm: not modelled together with mla")
             if self.num_kv_heads is not None and self.num_kv_heads != self.num_heads:
                 raise ValueError(
                     "num_kv_heads: MLA decompresses K/V for every head; leave it unset "
@@ -286,9 +308,14 @@ class Model:
             m = self.mla
             latent = m.kv_lora_rank + (m.q_lora_rank or 0)
             total += latent * (2 if self.norm_bias else 1)
-        elif self.linear_bias:
+        else:
             d = self.head_dim_resolved
-            total += self.num_heads * d + 2 * self.kv_heads * d + self.hidden_size
+            if self.linear_bias or self.qkv_bias:
+                total += self.num_heads * d + 2 * self.kv_heads * d
+            if self.linear_bias:
+                total += self.hidden_size
+            if self.qk_norm:
+                total += 2 * d * (2 if self.norm_bias else 1)
         return total
 
     def _mlp_matmul_params(self, ffn: int) -> int:
@@ -312,9 +339,14 @@ class Model:
         """One shared expert's MLP (elements; multiply by num_shared_experts); 0 for a dense model."""
         return 0 if self.moe is None else self._mlp_params(self.moe.shared_ffn_resolved)
 
+    def _router_outputs(self) -> int:
+        assert self.moe is not None
+        return self.moe.num_experts + (1 if self.moe.shared_expert_gate else 0)
+
     def router_params(self) -> int:
-        """Router (gate) weight h × num_experts, no bias (elements); 0 for a dense model."""
-        return 0 if self.moe is None else self.hidden_size * self.moe.num_experts
+        """Router (gate) weight h × num_experts, no bias, plus the shared-expert gate's h × 1
+        when ``moe.shared_expert_gate`` (elements); 0 for a dense model."""
+        return 0 if self.moe is None else self.hidden_size * self._router_outputs()
 
     def _norm_params(self) -> int:
         return self.hidden_size * (2 if self.norm_bias else 1)
@@ -348,12 +380,14 @@ class Model:
             dense.append(self.attention_params())
         else:
             d, a, kv = self.head_dim_resolved, self.num_heads, self.kv_heads
+            qkv_bias = ffn_bias or self.qkv_bias
             if self.mlp == "gelu":
                 dense.append(h * (a * d + 2 * kv * d))
-                dense += [a * d + 2 * kv * d] if ffn_bias else []
+                dense += [a * d + 2 * kv * d] if qkv_bias else []
             else:
                 dense += [h * a * d, h * kv * d, h * kv * d]
-                dense += [a * d, kv * d, kv * d] if ffn_bias else []
+                dense += [a * d, kv * d, kv * d] if qkv_bias else []
+            dense += [d * len(norm)] * 2 if self.qk_norm else []  # q_norm, k_norm (scale, bias)
             dense.append(a * d * h)
             dense += [h] if ffn_bias else []
         dense += norm
@@ -412,7 +446,7 @@ class Model:
         else:
             assert self.moe is not None
             out["mlp"] = self._mlp_linears(self.moe.shared_ffn_resolved) * self.moe.num_shared_experts
-            out["router"] = [(h, self.moe.num_experts, "none")]
+            out["router"] = [(h, self._router_outputs(), "none")]
             out["expert"] = self._mlp_linears(self.moe.expert_ffn_hidden_size)
         return out
 
@@ -429,8 +463,15 @@ class Model:
         """Token embedding table plus learned position table, if any (elements)."""
         total = self.vocab_size * self.hidden_size
         if self.position_embedding == "learned":
-            total += self.seq_len * self.hidden_size
+            total += self.position_table_rows * self.hidden_size
         return total
+
+    @property
+    def position_table_rows(self) -> int:
+        """Rows of the learned position table: ``max_position_embeddings`` or seq_len (tokens)."""
+        if self.max_position_embeddings is None:
+            return self.seq_len
+        return self.max_position_embeddings
 
     def head_params(self) -> int:
         """LM head (output projection) weight, no bias; 0 when tied (elements)."""

@@ -155,3 +155,16 @@ def test_search_ranks_by_throughput_on_the_wall_when_failures_are_set():
     assert plain.best.report["step_time_s"] < best["step_time_s"]  # slower per step, faster on the wall
     slow = run(failing, exhaustive=True)
     assert slow.best.candidate == fast.best.candidate
+
+
+def test_an_asynchronous_save_waits_for_the_previous_write():
+    """torchtitan's CheckpointManager.save first waits for the previous background write: saving
+    every interval shorter than a write stalls for the difference, and auto never saves more
+    often than a write takes."""
+    failures = Failures(restart_s=300)
+    write = STATES / Checkpoint().write_bytes_per_s_per_device
+    snapshot = STATES / Checkpoint().snapshot_bytes_per_s
+    g = goodput(1.0, 65536, STATES, failures, Checkpoint(async_=True))
+    assert g["checkpoint_interval_s"] >= write
+    often = goodput(1.0, 4096, STATES, failures, Checkpoint(interval=10, async_=True))
+    assert often["checkpoint_stall_s"] == pytest.approx(snapshot + write - 10.0)

@@ -12,8 +12,10 @@ checkpoint interval for restart dumps", FGCS 22(3), 2006):
 - a failure costs the restart (``restart_s``) and the work since the last complete checkpoint:
   on average half an interval of wall time, (τ + δ)/2, plus, for an asynchronous save, the write
   that had not finished yet (the newest checkpoint is complete only a write's time after it was
-  taken);
-- ``interval: auto`` is Young's optimum τ = √(2 δ M); Daly's higher-order terms matter only when
+  taken); an asynchronous save also waits for the previous one's write, so saving more often
+  than a write takes stalls for the difference;
+- ``interval: auto`` is Young's optimum τ = √(2 δ M) (for an asynchronous save at least one
+  write, below which the stall grows as fast as the interval shrinks); Daly's higher-order terms matter only when
   δ is not small against M, which the report then shows as a low fraction.
 
 The fraction of wall time that trains is the first-order sum (Daly's eq. 1 to first order):
@@ -47,13 +49,19 @@ def goodput(step_time_s: float, num_devices: int, state_bytes_per_device: float,
     checkpoint interval, the expected interruptions and the seconds lost per day by cause."""
     checkpoint = checkpoint or Checkpoint()
     write_s = state_bytes_per_device / checkpoint.write_bytes_per_s_per_device
-    stall_s = state_bytes_per_device / checkpoint.snapshot_bytes_per_s if checkpoint.async_ else write_s
-    stall_s = min(stall_s, write_s)  # a snapshot never takes longer than writing it out
+    snapshot_s = min(state_bytes_per_device / checkpoint.snapshot_bytes_per_s, write_s)
+    stall_s = snapshot_s if checkpoint.async_ else write_s
     mtbf_s = failures.mtbf_device_hours * 3600.0 / num_devices if failures is not None else math.inf
     if checkpoint.interval == "auto":
         interval_s = young_interval_s(stall_s, mtbf_s) if math.isfinite(mtbf_s) else math.inf
+        if checkpoint.async_:  # no sooner than the previous write ends (below)
+            interval_s = max(interval_s, write_s)
     else:
         interval_s = checkpoint.interval * step_time_s
+    if checkpoint.async_ and interval_s < write_s:
+        # a save first waits for the previous one's background write (torchtitan
+        # components/checkpoint.py::CheckpointManager.save -> _async_wait: save_future.result())
+        stall_s = snapshot_s + write_s - interval_s
     per_day = DAY_S / mtbf_s
     lag_s = write_s if checkpoint.async_ else 0.0  # the newest checkpoint completes a write later
     cycle_s = interval_s + stall_s

@@ -75,8 +75,9 @@ def test_405b_on_one_node_gives_a_result(capsys):
 
 @pytest.mark.slow
 def test_one_hundred_steps_give_a_result(capsys):
+    # one micro-batch per step (16 sequences on 16 devices): the steps, not the micro-batches, are what this checks
     code, out, _ = run_cli(capsys, "run", *ZERO3, "--set", "cluster.num_nodes=2", "--set", "training.num_steps=100",
-                           "--json")
+                           "--set", "training.global_batch_size=16", "--json")
     assert code == 0 and '"step_time_s"' in out
 
 

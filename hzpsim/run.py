@@ -69,11 +69,12 @@ def effective_step_s(report: dict[str, Any]) -> float:
 
 
 def resolve(scenario: Scenario, name: str, config: Any) -> StrategyChoice:
-    """The choice as simulated: the plugin's ``resolve`` fills its defaults in."""
+    """The choice as simulated: the plugin's ``resolve`` fills its defaults in, and what its
+    implementation profile decides is written in (``strategies.as_simulated``)."""
     plugin = strategies.get(name)
     if hasattr(plugin, "resolve"):
         config = plugin.resolve(config, scenario.topology)
-    return StrategyChoice(name, config)
+    return StrategyChoice(name, strategies.as_simulated(config))
 
 
 def choose(scenario: Scenario, choice: StrategyChoice, expand: bool = False,

@@ -204,3 +204,21 @@ def test_model_state_layout(impl, per_param):
         params = (params - norms) / 2 + norms  # the norms are replicated over the TP group
         shards = 1
     assert states == pytest.approx(per_param * params / shards, rel=1e-12)
+
+
+@pytest.mark.parametrize("strategy, key, shown", [
+    ({"name": "nd", "tp": 8, "pp": 4, "implementation": "megatron-2021"}, "overlap_grad_reduce", False),
+    ({"name": "zero", "stage": 3, "prefetch_depth": 4, "implementation": "fsdp2"}, "prefetch_depth", 1),
+])
+def test_strategy_resolved_shows_what_the_profile_decides(strategy, key, shown):
+    """Megatron 2021 reduces gradients after the backward whatever overlap_grad_reduce says, and
+    FSDP2 keeps one gather in flight whatever prefetch_depth says: the report's strategy_resolved
+    shows the value simulated, and the step is the one simulated with that value written."""
+    def report(s):
+        sc = scenario_from_mapping({"model": "llama2-7b", "training": {"global_batch_size": 64},
+                                    "cluster": {"preset": "dgx-h100", "num_nodes": 4}, "strategy": s})
+        return run_choice(sc, sc.strategies[0])
+
+    r = report(strategy)
+    assert r["strategy_resolved"][key] == shown
+    assert r["step_time_s"] == report({**strategy, key: shown})["step_time_s"]

@@ -101,6 +101,29 @@ def compose_label(resolved: dict[str, Any], short: dict[str, str]) -> str:
     return f"{resolved['name']}({','.join(parts)})" if parts else resolved["name"]
 
 
+def as_simulated(config: Any) -> Any:
+    """``config`` with what its implementation profile decides written in
+    (``_implementations.Implementation``): a profile that forces the gradient-reduction overlap
+    on or off (``grad_reduce_overlap``: Megatron 2021 reduces after the backward) sets
+    ``overlap_grad_reduce``, and one that keeps fewer gathers in flight (``max_prefetch_depth``)
+    caps ``prefetch_depth``. The simulation reads both through the profile already
+    (``_sharded.Schedule.effective_*``), so this changes what ``strategy_resolved`` says, not
+    what is simulated."""
+    from hzpsim.strategies import _implementations
+
+    name = getattr(config, "implementation", None)
+    if not isinstance(name, str) or not dataclasses.is_dataclass(config):
+        return config
+    profile = _implementations.get(name)
+    fields = {f.name for f in dataclasses.fields(config)}
+    changes: dict[str, Any] = {}
+    if "overlap_grad_reduce" in fields and profile.grad_reduce_overlap is not None:
+        changes["overlap_grad_reduce"] = profile.grad_reduce_overlap
+    if "prefetch_depth" in fields:
+        changes["prefetch_depth"] = min(config.prefetch_depth, profile.max_prefetch_depth)
+    return dataclasses.replace(config, **changes) if changes else config
+
+
 def label(resolved: dict[str, Any]) -> str:
     """A short name for tables of the strategy ``resolved`` (a report's ``strategy_resolved``)."""
     plugin = get(resolved["name"])

@@ -10,6 +10,7 @@
     hzpsim validate published|executor    # predictions against measured runs
     hzpsim execute scenario.yaml      # the strategies for real, with torch.distributed
     hzpsim calibrate machine|published|measured
+    hzpsim import megatron|torchtitan|deepspeed FILE   # a framework's launch/config as a scenario
 
 One module per command, each with the same interface: ``register(subparsers)`` adds its parser
 (and its targets' parsers) and sets ``handler`` on every parser that runs, a function of the
@@ -31,7 +32,7 @@ import sys
 from collections.abc import Sequence
 
 from hzpsim import __version__
-from hzpsim.cli import calibrate, execute, listing, regress, run, search, validate
+from hzpsim.cli import calibrate, execute, imports, listing, regress, run, search, validate
 from hzpsim.cli.options import profile_option
 from hzpsim.config import ScenarioError
 from hzpsim.model.ops import GraphError, SimulatorFault
@@ -40,7 +41,7 @@ from hzpsim.run import run_choice
 __all__ = ["COMMANDS", "main", "make_parser", "run_choice"]
 
 #: Every command module, in the order ``hzpsim --help`` lists its commands.
-COMMANDS = (run, search, regress, validate, execute, calibrate, listing)
+COMMANDS = (run, search, regress, validate, execute, calibrate, imports, listing)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -112,7 +112,7 @@ def as_simulated(config: Any) -> Any:
     from hzpsim.strategies import _implementations
 
     name = getattr(config, "implementation", None)
-    if not isinstance(name, str) or not dataclasses.is_dataclass(config):
+    if not isinstance(name, str) or not dataclasses.is_dataclass(config) or isinstance(config, type):
         return config
     profile = _implementations.get(name)
     fields = {f.name for f in dataclasses.fields(config)}
@@ -120,7 +120,8 @@ def as_simulated(config: Any) -> Any:
     if "overlap_grad_reduce" in fields and profile.grad_reduce_overlap is not None:
         changes["overlap_grad_reduce"] = profile.grad_reduce_overlap
     if "prefetch_depth" in fields:
-        changes["prefetch_depth"] = min(config.prefetch_depth, profile.max_prefetch_depth)
+        plugin_config: Any = config  # a plugin's Config with a prefetch_depth field
+        changes["prefetch_depth"] = min(plugin_config.prefetch_depth, profile.max_prefetch_depth)
     return dataclasses.replace(config, **changes) if changes else config
 
 

@@ -1,5 +1,6 @@
 """``hzpsim import megatron|torchtitan|deepspeed``: the printed YAML loads and runs, SC'21's
-GPT-3 175B launch reproduces the hand-written example, and bad inputs exit 2 naming the field."""
+GPT-3 175B launch reproduces the hand-written example exactly, and bad inputs exit 2 naming the
+field."""
 
 from __future__ import annotations
 
@@ -16,13 +17,6 @@ from hzpsim.scenario import load_scenario, scenario_from_mapping
 REPO = Path(__file__).resolve().parents[1]
 SC21 = REPO / "examples" / "import" / "sc21-gpt3-175b.sh"
 DATA = REPO / "tests" / "data" / "import"
-
-# What a faithful import of the 2021 launch sets differently from examples/gpt3-175b-megatron.yaml
-# (which models SC'21 with hzpsim's defaults): each is a Megatron default the header lists.
-BACK_TO_EXAMPLE = ["model.vocab_size=50257", "training.flash_attention=true", "training.fused_kernels=false",
-                   "training.grad_dtype=fp32", "strategy.implementation=megatron-core",
-                   "strategy.overlap_grad_reduce=true", "strategy.overlap_param_gather=true"]
-
 
 def imported(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     assert main(["import", *argv]) == 0
@@ -62,14 +56,9 @@ def test_sc21_gpt3_175b_matches_the_hand_written_example(capsys, tmp_path, inter
     assert data["training"] == {"global_batch_size": 1536, "micro_batch_size": 1, "precision": "fp16", "grad_dtype": "bf16",
                                 "activation_recompute": "full", "flash_attention": False, "fused_kernels": True}
     assert (data["model"]["vocab_size"], data["model"]["ffn_hidden_size"], data["model"]["num_layers"]) == (51200, 49152, 96)
-    faithful = report(scenario_from_mapping(data))
+    imported_run = report(scenario_from_mapping(data))
     example = report(load_scenario(REPO / "examples" / "gpt3-175b-megatron.yaml"), 1 if interleaved else 0)
-    reverted = report(scenario_from_mapping(data, [f"{'strategy' if k.startswith('strategy') else k.split('.')[0]}"
-                                                   f".{k.split('.', 1)[1]}" for k in BACK_TO_EXAMPLE]))
-    assert reverted == example
-    print(f"SC'21 175B interleaved={interleaved}: imported {faithful['step_time_s']:.3f} s, "
-          f"with the example's choices {reverted['step_time_s']:.3f} s = example {example['step_time_s']:.3f} s")
-    assert faithful["step_time_s"] != example["step_time_s"]
+    assert imported_run == example  # every key of the report but the wall-clock ones
 
 
 def test_import_is_deterministic(capsys):

@@ -266,8 +266,7 @@ def add_sharded_demand(costs: Costs, demand: dict[str, float], params: Sequence[
     rank = dp_group[0]
     bw, bg = training.param_element_bytes, training.grad_element_bytes
     inner = schedule.hierarchical_gather
-    if schedule.accumulate_unsharded:  # gathered once, reduced once per step
-        m = 1
+    m = schedule.per_step(m)  # gathered and reduced per micro-batch, or once per step
 
     def members(role: str, size: int = 1) -> tuple[int, ...]:
         return tuple(sharding.group_of(role, rank, size)[1])

@@ -245,7 +245,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
 
     # the talking: per stage, within its own window (from its step-end gathers to its optimizer);
     # kept unsharded across micro-batches, a unit gathers and reduces once per step
-    per_step = 1 if schedule.accumulate_unsharded else m
+    per_step = schedule.per_step(m)
     for s in range(p):
         dpu = stage_dp[s]
         vstages = [c * p + s for c in range(v)]
@@ -326,8 +326,8 @@ def _slowed_bodies(bounder: BoundCache, costs: Costs, unit_costs: list[UnitCost]
         whole = whole_buffer_s(costs, sum(unit_costs[k].dense_params for c in range(v)
                                            for k in range(*spans[c * p + j])), sizes, dp_group, training, schedule)
         busy: dict[str, float] = {}
-        reductions = 1 if schedule.accumulate_unsharded else m  # once per step, after the body (kept unsharded)
-        for role, seconds in (("rs", reductions * sum(d.reduce for d in dpu)),
+        # kept unsharded, the one reduction per step starts after the body
+        for role, seconds in (("rs", schedule.per_step(m) * sum(d.reduce for d in dpu)),
                               ("dp", whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu))):
             name = schedule.stream(role)
             busy[name] = busy.get(name, 0.0) + seconds

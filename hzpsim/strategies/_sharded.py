@@ -168,6 +168,11 @@ class Schedule:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: must be >= 0 bytes per element")
 
+    def per_step(self, micro_batches: int) -> int:
+        """How many times a unit gathers its parameters forward and reduce-scatters its gradient
+        in a step of ``micro_batches``: once with ``accumulate_unsharded``, else every micro-batch."""
+        return 1 if self.accumulate_unsharded else micro_batches
+
     def stream(self, role: str) -> str:
         return self._stream_of[role]
 

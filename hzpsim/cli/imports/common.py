@@ -10,6 +10,7 @@ header comment block and then the YAML, deterministically (insertion order, no t
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,16 @@ def read_text(path: str) -> str:
         return file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ScenarioError(f"{path}: cannot read: {exc}") from None
+
+
+def read_document(path: str, parse: Callable[[str], Any], errors: type[Exception] | tuple[type[Exception], ...],
+                  kind: str) -> Any:
+    """The file at ``path`` parsed by ``parse`` (``json.loads``, ``tomllib.loads``); a syntax
+    error (``errors``) is a ScenarioError naming the file and the format (``kind``)."""
+    try:
+        return parse(read_text(path))
+    except errors as exc:
+        raise ScenarioError(f"{path}: not {kind}: {exc}") from None
 
 
 def positive_int(value: Any, name: str) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hzpsim.cli.imports.common import Draft, fill_cluster, implementation, read_text
+from hzpsim.cli.imports.common import Draft, fill_cluster, implementation, read_document
 from hzpsim.config import ScenarioError
 from hzpsim.model.hf_config import is_config_path
 
@@ -52,10 +52,7 @@ def _number(block: dict[str, Any], key: str, where: str, kinds: tuple[type, ...]
 
 def convert(args: argparse.Namespace) -> Draft:
     source = args.file
-    try:
-        cfg = json.loads(read_text(source))
-    except json.JSONDecodeError as exc:
-        raise ScenarioError(f"{source}: not JSON: {exc}") from None
+    cfg = read_document(source, json.loads, json.JSONDecodeError, "JSON")
     if not isinstance(cfg, dict):
         raise ScenarioError(f"{source}: expected a JSON object")
     draft = Draft(command=f"hzpsim import deepspeed {source} --model {args.model}")

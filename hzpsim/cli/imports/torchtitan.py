@@ -13,7 +13,13 @@ from typing import Any
 
 import tomllib
 
-from hzpsim.cli.imports.common import Draft, fill_cluster, implementation, positive_int, read_text
+from hzpsim.cli.imports.common import (
+    Draft,
+    fill_cluster,
+    implementation,
+    positive_int,
+    read_document,
+)
 from hzpsim.config import ScenarioError
 
 JOB = "torchtitan/config/job_config.py"
@@ -69,10 +75,7 @@ class _Toml:
 
 def convert(args: argparse.Namespace) -> Draft:
     source = args.file
-    try:
-        data = tomllib.loads(read_text(source))
-    except tomllib.TOMLDecodeError as exc:
-        raise ScenarioError(f"{source}: not TOML: {exc}") from None
+    data = read_document(source, tomllib.loads, tomllib.TOMLDecodeError, "TOML")
     t = _Toml(data, source)
     draft = Draft(command=f"hzpsim import torchtitan {source}" + (f" --model {args.model}" if args.model else ""))
 

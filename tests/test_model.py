@@ -61,6 +61,16 @@ PUBLISHED_TOTAL = [
     ("mpt-30b", 29.95e9, 0.005),
     # MPT-7B model card: n_parameters 6.7B, rounded to 2 digits: 1 % tolerance
     ("mpt-7b", 6.7e9, 0.01),
+    # Qwen3 model cards: 235B total (22B active), 30.5B total (3.3B active)
+    ("qwen3-235b-a22b", 235e9, 0.005),
+    ("qwen3-30b-a3b", 30.5e9, 0.005),
+    # gpt-oss model card (OpenAI, 2025): 116.83B and 20.91B total parameters
+    ("gpt-oss-120b", 116.83e9, 0.005),
+    ("gpt-oss-20b", 20.91e9, 0.005),
+    # Kimi K2 model card: "1 trillion total parameters", stated to one digit: 3 % tolerance
+    ("kimi-k2", 1.0e12, 0.03),
+    # Grok-1 release (xai-org/grok-1 README): 314B parameters
+    ("grok-1", 314e9, 0.01),
 ]
 
 

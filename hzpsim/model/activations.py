@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 def activation_terms_per_token(
-    model: Model, i: int, act_bytes: int = 2, eager: bool = False
+    model: Model, i: int, act_bytes: int = 2, eager: bool = False, moe_load: float = 1.0
 ) -> dict[str, tuple[float, str]]:
     """Korthikanti-style stored-activation terms of layer ``i`` for one token.
 
@@ -41,6 +41,10 @@ def activation_terms_per_token(
     fp32 reciprocal RMS (4 bytes, ``RsqrtBackward0``); K and V after ``repeat_kv`` at every
     query head instead of the KV heads (what SDPA receives); and SwiGLU's SiLU output besides
     its input (``mul`` saves both operands: 4·B·f in all).
+
+    ``moe_load``: the routed copies an MoE layer's experts hold on this rank over the mean (the
+    busiest expert-parallel rank's, ``ParallelDims.moe_load``): their inputs, outputs and
+    intermediates scale with it.
     """
     h, a, B = model.hidden_size, model.num_heads, act_bytes
     mask = 1 if model.dropout else 0
@@ -84,9 +88,9 @@ def activation_terms_per_token(
         # is stored as expert input (B·h) and expert output (B·h, for the gate-weight
         # gradient of the weighted combine), plus its expert's intermediate tensors.
         terms["router_probs"] = (4 * model.moe.num_experts, "replicated")
-        terms["expert_inputs_outputs"] = (2 * k * B * h, "replicated")
+        terms["expert_inputs_outputs"] = (2 * k * B * h * moe_load, "replicated")
         terms["expert_intermediate"] = (
-            k * per_ffn * B * model.moe.expert_ffn_hidden_size,
+            k * per_ffn * B * model.moe.expert_ffn_hidden_size * moe_load,
             "split",
         )
         terms["shared_expert_intermediate"] = (
@@ -145,6 +149,7 @@ def activation_bytes_per_layer(
     float8: bool = False,
     eager: bool = False,
     gathered_inputs: bool = False,
+    moe_load: float = 1.0,
 ) -> float:
     """Activation bytes layer ``i`` keeps for its backward, per device (Korthikanti Table 2).
 
@@ -200,7 +205,7 @@ def activation_bytes_per_layer(
         return sb * per_token
     replicated = split = 0.0
     whole = 0.0
-    for name, (per_token, kind) in activation_terms_per_token(model, i, act_bytes, eager).items():
+    for name, (per_token, kind) in activation_terms_per_token(model, i, act_bytes, eager, moe_load).items():
         if gathered_inputs and sequence_parallel and name in ("attn_qkv_input", "mlp_input"):
             whole += per_token
         elif kind == "replicated":

@@ -106,7 +106,7 @@ def as_simulated(config: Any) -> Any:
     (``_implementations.Implementation``): a profile that forces the gradient-reduction overlap
     on or off (``grad_reduce_overlap``: Megatron 2021 reduces after the backward) sets
     ``overlap_grad_reduce``, and one that keeps fewer gathers in flight (``max_prefetch_depth``)
-    caps ``prefetch_depth``. The simulation reads both through the profile already
+    caps ``prefetch_depth``; an unset ``moe_dispatcher`` is the profile's. The simulation reads them through the profile already
     (``_sharded.Schedule.effective_*``), so this changes what ``strategy_resolved`` says, not
     what is simulated."""
     from hzpsim.strategies import _implementations
@@ -119,6 +119,8 @@ def as_simulated(config: Any) -> Any:
     changes: dict[str, Any] = {}
     if "overlap_grad_reduce" in fields and profile.grad_reduce_overlap is not None:
         changes["overlap_grad_reduce"] = profile.grad_reduce_overlap
+    if "moe_dispatcher" in fields and not config.moe_dispatcher:
+        changes["moe_dispatcher"] = profile.moe_dispatcher  # the MoE layers' dispatcher unless set
     if "prefetch_depth" in fields:
         plugin_config: Any = config  # a plugin's Config with a prefetch_depth field
         changes["prefetch_depth"] = min(plugin_config.prefetch_depth, profile.max_prefetch_depth)

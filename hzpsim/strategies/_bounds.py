@@ -538,7 +538,8 @@ class BoundCache:
         key = (training.micro_batch_size, training.activation_recompute, deg, pp, variability)
         if key not in self._units:
             self._units[key] = unit_costs_of(self.costs(training.precision, variability),
-                                             mp_units(self.model, training, deg), deg, self.topology.num_devices, pp)
+                                             mp_units(self.model, training, dataclasses.replace(deg, pp=pp).placed(self.topology)),
+                                             deg, self.topology.num_devices, pp)
         return self._units[key]
 
 

@@ -14,12 +14,17 @@ etp, ep, edp, pp (``hzpsim.hardware.placement``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from hzpsim.config import ScenarioError
+from hzpsim.hardware.placement import expert_placement
+from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
 
+MOE_DISPATCHERS = ("alltoall", "allgather", "deepep")
+"""Token dispatchers of an MoE layer (``_model_parallel``)."""
 MAX_MICRO_BATCHES = 4096  # per replica per step: the engine replays each one, so more would take minutes
 
 
@@ -48,7 +53,26 @@ class ParallelDims:
     tp_comm_overlap_backward: bool = True
     """Whether the backward's TP communication is hidden too (false: the forward's only)."""
     moe_imbalance: float = 1.0
-    """Busiest expert rank's routed tokens over the mean (≥ 1)."""
+    """Busiest expert rank's routed tokens over the mean (≥ 1): it sets the pace of the grouped
+    GEMM and of the all-to-all's receiving side on every EP rank (1 = perfectly balanced)."""
+    moe_capacity_factor: float | None = None
+    """Tokens an expert accepts, over the mean (Megatron ``--moe-expert-capacity-factor``,
+    DeepSpeed-MoE ``capacity_factor``); None = dropless. Routed tokens beyond it are dropped, so
+    the busiest rank's load is min(imbalance, capacity factor) × the mean."""
+    moe_pad_to_capacity: bool = False
+    """Every expert's input is padded to its capacity (Megatron
+    ``--moe-pad-expert-input-to-capacity``): the load is the capacity factor × the mean."""
+    moe_dispatcher: str = "alltoall"
+    """How tokens reach their experts: ``alltoall``, ``allgather`` or ``deepep``
+    (``_model_parallel``: the dispatchers); the strategy's setting or its implementation's."""
+    moe_ep_overlap: bool = False
+    """The dispatch and combine exchanges overlap another micro-batch's compute (Megatron-Core
+    ``--overlap-moe-expert-parallel-comm``: the combined 1F1B schedule)."""
+    moe_grouped_gemm: bool = True
+    """Local experts run as one grouped GEMM per linear (else one GEMM per expert)."""
+    ep_nodes: int = 1
+    """Nodes one expert-parallel group spans (:meth:`placed`; the ``deepep`` dispatcher's
+    network deduplication depends on it)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "cp", "ep", "etp", "vpp"):
@@ -60,8 +84,36 @@ class ParallelDims:
             raise ValueError("tp_comm_overlap: must be between 0 and 1")
         if self.moe_imbalance < 1:
             raise ValueError("moe_imbalance: must be >= 1 (busiest over mean)")
+        if self.moe_capacity_factor is not None and self.moe_capacity_factor <= 0:
+            raise ValueError("moe_capacity_factor: must be > 0 (or null for dropless)")
+        if self.moe_pad_to_capacity and self.moe_capacity_factor is None:
+            raise ValueError("moe_pad_to_capacity: needs moe_capacity_factor")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ValueError(f"moe_dispatcher: {self.moe_dispatcher!r} is not one of {', '.join(MOE_DISPATCHERS)}")
         if self.vpp > 1 and self.pp == 1:
             raise ValueError("vpp: interleaving needs pp > 1")
+
+    @property
+    def moe_load(self) -> float:
+        """The busiest expert rank's tokens over the mean: the imbalance, capped by the capacity
+        factor (tokens beyond it dropped), or the capacity itself when inputs are padded to it.
+        1 without expert parallelism: one rank then runs every expert on its own tokens."""
+        if self.ep == 1:
+            return 1.0
+        if self.moe_capacity_factor is None:
+            return self.moe_imbalance
+        if self.moe_pad_to_capacity:
+            return self.moe_capacity_factor
+        return min(self.moe_imbalance, self.moe_capacity_factor)
+
+    def placed(self, topology: Topology) -> ParallelDims:
+        """These dims with ``ep_nodes`` read from where the expert groups sit on ``topology``
+        (MoE parallel folding: ``hardware.placement.expert_placement``)."""
+        if self.ep == 1:
+            return self
+        n = topology.num_devices
+        group = expert_placement(n, self.ep, self.etp, self.pp).group("ep", 0)
+        return replace(self, ep_nodes=topology.span(group).num_nodes)
 
     # -- sizes ------------------------------------------------------------------------------------
 
@@ -123,6 +175,18 @@ class ParallelDims:
                 raise ValueError(f"{key}: ep x etp = {self.ep * self.etp} does not divide the {n // p} ranks of a stage")
             if t > 1 and not self.sequence_parallel:
                 raise ValueError("sequence_parallel: Megatron requires it when ep > 1 and tp > 1")
+
+
+def moe_fields(config: Any) -> dict[str, Any]:
+    """ParallelDims' MoE settings from a plugin's config: its own, and where it leaves the
+    dispatcher unset (``""``) the implementation profile's, with the profile's grouped GEMM."""
+    from hzpsim.strategies import _implementations
+
+    profile = _implementations.get(config.implementation)
+    return {"moe_imbalance": config.moe_imbalance, "moe_capacity_factor": config.moe_capacity_factor,
+            "moe_pad_to_capacity": config.moe_pad_to_capacity,
+            "moe_dispatcher": config.moe_dispatcher or profile.moe_dispatcher,
+            "moe_ep_overlap": config.moe_ep_overlap, "moe_grouped_gemm": profile.moe_grouped_gemm}
 
 
 def _culprit(degrees: dict[str, int], total: int) -> str:

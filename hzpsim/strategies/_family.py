@@ -82,7 +82,7 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
     graph = OpGraph(n, weights, training.precision, meta={"pp": 1, "dp": dp, "tp": dims.tp, "cp": dims.cp,
                                                             "ep": dims.ep, **(meta or {}), **slow})
     m = dims.num_micro_batches(training, n)
-    units = mp_units(model, training, dims, plan.schedule.implementation)
+    units = mp_units(model, training, dims.placed(topology), plan.schedule.implementation)
     emit = Emitter(graph, lanes, plan.schedule.implementation.on_device(topology.device))
     sizes = (plan.param_size, plan.grad_size, plan.optim_size)
     unit_pass = UnitPass(emit, dims, units, training, placement, experts, plan.schedule,

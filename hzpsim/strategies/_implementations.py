@@ -214,6 +214,16 @@ class Implementation:
     """Tensor parallelism: the head's vocabulary-sharded logits are all-gathered to every TP
     rank before the loss (DTensor's ``ColwiseParallel(output_layouts=Replicate())``, torchtitan
     without loss parallelism), instead of a vocabulary-parallel cross-entropy."""
+    moe_dispatcher: Literal["alltoall", "allgather", "deepep"] = "alltoall"
+    """How an MoE layer moves tokens to their experts unless ``strategy.moe_dispatcher`` says
+    (``_model_parallel``: the dispatchers): Megatron-Core's own default is ``allgather``
+    (``megatron/core/transformer/transformer_config.py``: ``moe_token_dispatcher_type =
+    "allgather"``); torchtitan, DeepSpeed-MoE and the NeMo recipes exchange with all-to-all."""
+    moe_grouped_gemm: bool = True
+    """An MoE layer's local experts run as one grouped GEMM per linear (Megatron-Core
+    ``experts.py::TEGroupedMLP`` / ``GroupedMLP``, torchtitan ``torch._grouped_mm``). False: one
+    GEMM per local expert (Megatron-Core's ``SequentialMLP``, its default:
+    ``moe_grouped_gemm = False``), whose tiles do not share the waves and whose launches add up."""
 
     # -- counts -------------------------------------------------------------------------------
 
@@ -419,9 +429,18 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "megatron-core": Implementation(
         name="megatron-core", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
+        moe_dispatcher="allgather", moe_grouped_gemm=False,
         source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
                "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
-               "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward)",
+               "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward); "
+               "MoE as TransformerConfig's defaults: moe_token_dispatcher_type 'allgather', "
+               "moe_grouped_gemm False (SequentialMLP)",
+    ),
+    "megatron-bridge": Implementation(
+        name="megatron-bridge", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
+        source=f"{_MEG}@d98e8a64 (megatron-core's collectives) as NVIDIA-NeMo/Megatron-Bridge@067f987d "
+               "recipes configure MoE models: src/megatron/bridge/recipes/{{deepseek,qwen,...}}: "
+               "moe_token_dispatcher_type 'alltoall', moe_grouped_gemm True, moe_permute_fusion True",
     ),
     "torchtitan": Implementation(
         name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,

@@ -8,7 +8,7 @@ forward and twice that in the backward (see ``_model_parallel.mp_units``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -87,3 +87,10 @@ def optimizer_bytes_per_param(training: Training) -> float:
     """HBM bytes an Adam step moves per parameter of its shard [INF, from the update rule]:
     reads fp32 master, m, v and the gradient; writes master, m, v and the working copy."""
     return 3 * 4 + training.grad_element_bytes + 3 * 4 + training.param_element_bytes
+
+
+def linear_gemms(linears: Sequence[tuple[int, int, str]], tokens: float, t: int) -> list[Gemm]:
+    """The forward GEMMs of ``linears`` (``Model.layer_linears``) over ``tokens`` rows, each
+    weight split ``t`` ways along N (column-parallel) or K (row-parallel)."""
+    return [Gemm(tokens, n / t if split == "column" else n, k / t if split == "row" else k)
+            for k, n, split in linears]

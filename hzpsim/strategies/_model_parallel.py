@@ -24,9 +24,9 @@ Communication per layer and micro-batch (docs/strategies.md §2.7, §2.8):
   part of attention runs; the remote part waits for it. Backward moves twice the bytes
   (K/V again and dK/dV). GQA shrinks the chunk (kv heads), and kv heads are not split below one
   per TP rank. Causal load balancing: every rank does 1/c of the attention FLOPs.
-- EP: an all-to-all dispatch before the experts and a combine after them, forward and backward,
-  each of tokens·top_k·h activations per rank, exposed (Megatron's default dispatcher); expert
-  compute is multiplied by ``moe_imbalance`` (the busiest rank's load over the mean).
+- EP: an MoE layer runs its router, permutation, grouped GEMMs and un-permutation as ops of
+  their own around the dispatcher's dispatch and combine, forward and backward (``_moe``); the
+  exchanges wait for the compute, or with ``moe_ep_overlap`` run beside it.
 - ETP (expert tensor parallelism) divides expert weights and FLOPs; its collectives are not
   modelled yet.
 """
@@ -43,9 +43,11 @@ from hzpsim.model import Model
 from hzpsim.model.kernels import Attention, Gemm, Shape
 from hzpsim.model.ops import MemoryDelta, Ranks, memory_delta
 from hzpsim.model.training import Training
+from hzpsim.strategies import _moe
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._implementations import Implementation, loss_bytes_per_logit
-from hzpsim.strategies._layers import Work
+from hzpsim.strategies._layers import Work, linear_gemms
+from hzpsim.strategies._moe import MoEWork
 from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, ShardedParams, Use
 
 Instances = list[tuple[str, tuple[int, ...]]]
@@ -117,7 +119,14 @@ class MPUnit:
     cp_bytes: float = 0.0
     """CP ring all-gather buffer (c chunks of K and V); 0 without CP."""
     ep_bytes: float = 0.0
-    """Per-rank all-to-all buffer; 0 for dense layers or without EP."""
+    """Bytes of one dispatch or combine exchange as the dispatcher moves them on the busiest
+    rank (:func:`_moe.dispatch`); 0 for dense layers or without EP."""
+    ep_kinds: tuple[str, str] = ("all_to_all", "all_to_all")
+    """Collective kinds of the forward's dispatch and combine (their backwards swap them)."""
+    ep_recomputed: bool = False
+    """The full recompute repeats the forward's dispatch and combine in the backward."""
+    moe: MoEWork | None = None
+    """An MoE layer's router, permutation, grouped GEMM and un-permutation, as their own ops."""
     p2p_bytes: float = 0.0
     """Activation this unit hands to the next pipeline stage."""
     is_moe: bool = False
@@ -189,13 +198,6 @@ def _tp_calls(role: str, per_pass: int, deg: ParallelDims, recompute: str) -> di
         return {"tp_gathers_forward": per_pass, "tp_scatters_backward": per_pass}
     return {"tp_gathers_forward": per_pass, "tp_scatters_forward": per_pass,
             "tp_gathers_backward": per_pass * again, "tp_scatters_backward": per_pass * scatters_again}
-
-
-def _gemms(linears: Sequence[tuple[int, int, str]], tokens: float, t: int) -> list[Gemm]:
-    """The forward GEMMs of ``linears`` (``Model.layer_linears``) over ``tokens`` rows, each
-    weight split ``t`` ways along N (column-parallel) or K (row-parallel)."""
-    return [Gemm(tokens, n / t if split == "column" else n, k / t if split == "row" else k)
-            for k, n, split in linears]
 
 
 #: torch.compile fuses the pointwise kernels between two GEMMs into one Inductor kernel
@@ -270,17 +272,27 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
                        Gemm(model.seq_len / c, d_v, model.seq_len, 1.0, heads)]  # one batched kernel each
     for i in range(model.num_layers):
         linears = model.layer_linears(i)
-        attn_gemms = _gemms(linears["attention"], local, t)
+        attn_gemms = linear_gemms(linears["attention"], local, t)
         stored = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute="none",
             flash_attention=fused, cp=c, act_bytes=act, eager=eager, gathered_inputs=gathered_inputs,
+            moe_load=deg.moe_load,
         )
         kept = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute=mode,
             flash_attention=fused, cp=c, act_bytes=act, float8=float8, eager=eager, gathered_inputs=gathered_inputs,
+            moe_load=deg.moe_load,
         )
         traffic = 0.0
+        moe = model.is_moe_layer(i)
         for name, (per_token, kind) in model.elementwise_bytes_per_token(i, elementwise_bytes).items():
+            if moe and name == "permute":  # the MoE ops' own (_moe.moe_work)
+                continue
+            if moe and name == "activation_fn":  # the shared experts'; the routed ones' in _moe.moe_work
+                assert model.moe is not None
+                per_token *= (model.moe.num_shared_experts * model.moe.shared_ffn_resolved) / (
+                    model.moe.top_k * model.moe.expert_ffn_hidden_size
+                    + model.moe.num_shared_experts * model.moe.shared_ffn_resolved)
             if training.fused_pointwise and name in _FUSED_BY_COMPILE:
                 per_token *= _FUSED_BY_COMPILE[name]
             traffic += per_token / (t if kind == "split" or deg.sequence_parallel else 1)
@@ -294,34 +306,29 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             # probabilities read by the value GEMM: (6·B + 1) bytes per head per query-key pair
             traffic += (6 * act + 1) * model.num_heads / t * local * model.seq_len
         norms = model.norm_params_per_layer()
-        moe = model.is_moe_layer(i)
+        experts: list[Gemm] = []
+        router: list[Gemm] = []
         if moe:
             assert model.moe is not None
-            k = model.moe.top_k
-            # one grouped GEMM per linear (Megatron's GroupedMLP / TE grouped GEMM): this rank's
-            # E/ep experts, batched, share the sp_tokens·k routed copies (×
-            # the busiest rank's imbalance), expert weights split by etp
-            local_experts = model.moe.num_experts / deg.ep
-            per_expert = sp_tokens * k * deg.moe_imbalance / local_experts
-            experts = [g._replace(batch=local_experts) for g in _gemms(linears["expert"], per_expert, deg.etp)]
-            mlp_gemms = [*_gemms(linears["mlp"], local, t), *_gemms(linears["router"], sp_tokens, 1), *experts]
+            experts = _moe.expert_gemms(model, linears["expert"], sp_tokens, deg)
+            router = linear_gemms(linears["router"], sp_tokens, 1)
+            mlp_gemms = linear_gemms(linears["mlp"], local, t)  # the shared experts
             dense_params = model.attention_params() / t + norms + model.router_params() + (
                 model.moe.num_shared_experts * model.shared_expert_params() / t
             )
             expert_params = model.moe.num_experts * model.expert_params() / (deg.ep * deg.etp)
-            ep_bytes = sp_tokens * k * h * act if deg.ep > 1 else 0.0
+            ep_bytes, ep_kinds = _moe.dispatch(model, sp_tokens, act, deg)
         else:
-            mlp_gemms = _gemms(linears["mlp"], local, t)
-            experts = []
+            mlp_gemms = linear_gemms(linears["mlp"], local, t)
             dense_params = model.layer_params(i) / t + norms * (1 - 1 / t)
             expert_params = 0.0
-            ep_bytes = 0.0
+            ep_bytes, ep_kinds = 0.0, ("all_to_all", "all_to_all")
         pre_shapes = [*attn_gemms, *attn_scores]
         # fp8: no extra traffic is charged for the casts to fp8. Transformer Engine fuses them
         # into the producing kernel (LayerNormLinear; delayed scaling needs no amax pass) and
         # torch.compile fuses torchao's float8 casts likewise; the GEMM then reads a 1-byte
         # operand instead of a 2-byte one. Eager torchao float8 (unfused casts) is not modelled.
-        forward_shapes: list[Gemm] = [*pre_shapes, *mlp_gemms]
+        forward_shapes: list[Gemm] = [*pre_shapes, *mlp_gemms]  # the MoE ops apart (_moe.moe_work)
         # backward: each GEMM's data- and weight-gradient GEMMs; the attention kernel's backward;
         # its memory-bound kernels read the saved input and the output gradient and write the
         # input gradient, about twice the forward traffic [INF]
@@ -335,13 +342,17 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             backward_shapes += [*attn_core, *attn_scores]
         elif mode == "op":  # per-op SAC: the linears not saved and every memory-bound kernel
             redo = model.op_sac_recomputed_linears(i, float8=float8)
-            backward_shapes += [*_gemms(redo["attention"], local, t), *_gemms(redo["router"], sp_tokens, 1),
-                                *_gemms(redo["mlp"], local, t), *experts, *attn_scores]
+            backward_shapes += [*linear_gemms(redo["attention"], local, t), *linear_gemms(redo["mlp"], local, t), *attn_scores]
             backward_traffic += traffic
         attn_local = Work.of(attn_core).scaled(1 / c) if c > 1 else Work.of(attn_core)
         attn_remote = Work.of(attn_core).scaled(1 - 1 / c) if c > 1 else Work()
         pre = Work.of(pre_shapes, traffic * 0.5) + attn_local
         post = Work.of(mlp_gemms, traffic * 0.5)
+        moe_work = None
+        if moe:  # the MLP block runs around the dispatcher: its shared experts with the attention
+            pre, post = pre + post, Work()
+            moe_work = _moe.moe_work(model, i, router, experts, sp_tokens, elementwise_bytes, deg, mode,
+                                 redo["router"] if mode == "op" else [])
         local_bwd: list[Shape] = [s for s in backward_shapes if not isinstance(s, Attention)]
         local_bwd += [a._replace(calls=a.calls / c) for a in backward_shapes if isinstance(a, Attention)]
         backward = Work.of(local_bwd, backward_traffic)
@@ -355,6 +366,10 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
         # its backward about twice as many
         if training.fused_pointwise:
             kernels = model.layer_kernels_fused(i, fused)
+            if moe:  # one launch per expert linear counted there: one grouped GEMM each, or the local experts'
+                assert model.moe is not None
+                per_linear = 1 if deg.moe_grouped_gemm else model.moe.num_experts // deg.ep
+                kernels += (per_linear - model.moe.num_experts) * len(linears["expert"])
             kernels_backward = 2 * kernels
         else:
             kernels = model.layer_kernels_forward(i, fused)
@@ -369,10 +384,14 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             **_tp_calls("layer", tp_count, deg, mode),
             # norms and row-parallel biases (Megatron marks both ``sequence_parallel``)
             tp_sp_params=(norms + (tp_count * h if model.linear_bias else 0.0)) if t > 1 and deg.sequence_parallel else 0.0,
-            cp_bytes=cp_bytes, ep_bytes=ep_bytes, p2p_bytes=p2p_bytes, is_moe=moe,
+            cp_bytes=cp_bytes, ep_bytes=ep_bytes, ep_kinds=ep_kinds, ep_recomputed=mode == "full", moe=moe_work,
+            p2p_bytes=p2p_bytes, is_moe=moe,
             tensors=tuple(x if x == h else x / t for x in dense_tensors),
             expert_tensors=tuple(x / deg.etp for x in local_experts_t),
             kernels_forward=kernels, kernels_backward=kernels_backward + (kernels if mode in ("full", "op") else 0),
+            # the dispatcher's send buffer lives while the forward runs: the permuted copies
+            # (all-to-all, DeepEP) or the gathered tokens (all-gather), before the exchange
+            forward_temps=(_moe.send_buffer_bytes(model, sp_tokens, act, deg),) if moe and ep_bytes else (),
         ))
     head_gemm = Gemm(local, vocab / t, h)
     # The loss, kernel by kernel per logit [INF]: the GEMM writes bf16 logits (2 bytes), the
@@ -537,12 +556,12 @@ class UnitEmitter:
                 alloc: MemoryDelta, free: MemoryDelta) -> Ids:
         """``free`` is released when the unit's last forward compute op ends."""
         emit = self.emit
-        if not unit.cp_bytes and not (unit.is_moe and unit.ep_bytes):  # one op, TP after it
+        if not unit.cp_bytes and unit.moe is None:  # one op, TP after it
             last: Ids = emit.compute(f"fwd.{label}", "forward", unit.forward_work, deps, step,
                                      alloc=alloc, free=free, kernels=unit.kernels_forward,
                                      calls=self._calls_of(unit, True).host)
             return self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
-        has_post = bool(unit.post)
+        has_post = bool(unit.post) or unit.moe is not None
         last = emit.compute(f"fwd.{label}", "forward", unit.pre, deps, step, alloc=alloc,
                             free=None if (has_post or unit.cp_bytes) else free, kernels=unit.kernels_forward,
                             calls=self._calls_of(unit, True).host)
@@ -551,16 +570,36 @@ class UnitEmitter:
                                    deps, step, launch=False)
             last = emit.compute(f"fwd.remote.{label}", "forward", unit.remote, [last, ring], step,
                                 free=None if has_post else free)
-        if unit.is_moe and unit.ep_bytes:
+        if unit.moe is not None:
             last = self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
-            dispatch = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.{label}",
-                                       "ep", "compute", [last], step, launch=False)
-            experts = emit.compute(f"fwd.experts.{label}", "forward", unit.post, [dispatch], step, free=free)
-            return emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.combine.{label}",
-                                   "ep", "compute", [experts], step, launch=False)
+            moe = unit.moe
+            router = emit.compute(f"fwd.router.{label}", "moe_router", moe.router, [last], step)
+            permute = emit.compute(f"fwd.permute.{label}", "moe_permute", moe.permute, [router], step)
+            dispatch_kind, combine_kind = unit.ep_kinds
+            dispatch = self._ep(dispatch_kind, unit, f"ep.dispatch.{label}", "ep_dispatch", [permute], deps, step)
+            experts = emit.compute(f"fwd.experts.{label}", "moe_grouped_gemm", moe.experts,
+                                   [permute if self.deg.moe_ep_overlap else dispatch], step)
+            combine = self._ep(combine_kind, unit, f"ep.combine.{label}", "ep_combine", [experts], [dispatch], step)
+            return emit.compute(f"fwd.unpermute.{label}", "moe_permute", moe.unpermute, [experts, combine], step,
+                                free=free)
         if has_post:
             last = emit.compute(f"fwd.mlp.{label}", "forward", unit.post, [last], step, free=free)
         return self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
+
+    def _ep(self, kind: str, unit: MPUnit, name: str, category: str, deps: Sequence[Ids | None],
+            hidden_deps: Sequence[Ids | None], step: int) -> Ids | None:
+        """One dispatch or combine exchange of an MoE layer (None without EP), on the compute
+        stream after ``deps``. With ``moe_ep_overlap`` (Megatron-Core's ``combined_1f1b``: one
+        micro-batch's exchanges while another computes) on the ``ep`` stream from
+        ``hidden_deps``, beside the compute: the pass takes max(compute, exchanges) and the
+        compute slows as under any overlapped collective (``comm_overlap_slowdown``). That the
+        first and last micro-batches have no partner to hide behind is not modelled."""
+        if not unit.ep_bytes:
+            return None
+        overlap = self.deg.moe_ep_overlap
+        return self.emit.collective(kind, self.instances["ep"], unit.ep_bytes, name, category,
+                                    "ep" if overlap else "compute", hidden_deps if overlap else deps, step,
+                                    launch=False)
 
     def loss_backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int) -> Ids | None:
         """The loss's backward as an op of its own before ``unit``'s backward (MPUnit.backward_temps):
@@ -577,10 +616,9 @@ class UnitEmitter:
                  alloc: MemoryDelta, free: MemoryDelta) -> Ids:
         emit = self.emit
         start = deps
-        if unit.is_moe and unit.ep_bytes:
-            combine = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.combine.bwd.{label}",
-                                      "ep", "compute", deps, step, launch=False)
-            start = [combine]
+        first_alloc: MemoryDelta | None = alloc
+        if unit.moe is not None:
+            start, first_alloc = [self._moe_backward(unit, label, deps, step, alloc)], None
         if unit.cp_bytes:
             ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.bwd.{label}", "cp", "cp",
                                    deps, step, count=2, launch=False)
@@ -588,16 +626,37 @@ class UnitEmitter:
         if unit.loss_split:  # the loss's backward ran before (loss_backward)
             work = replace(work, bytes_accessed=work.bytes_accessed - unit.loss_backward_bytes)
             kernels -= LOSS_KERNELS_BACKWARD
-        main = emit.compute(f"bwd.{label}", "backward", work, start, step, alloc=alloc,
+        main = emit.compute(f"bwd.{label}", "backward", work, start, step, alloc=first_alloc,
                             free=None if unit.cp_bytes else free, kernels=kernels,
                             calls=self._calls_of(unit, False).host)
         last: Ids = main
         if unit.cp_bytes:
             last = emit.compute(f"bwd.remote.{label}", "backward", unit.backward_remote, [main, ring], step, free=free)
-        if unit.is_moe and unit.ep_bytes:
-            last = emit.collective("all_to_all", self.instances["ep"], unit.ep_bytes, f"ep.dispatch.bwd.{label}",
-                                   "ep", "compute", [last], step, launch=False)
         return self._tp(unit, False, f"bwd.{label}", [last], step, overlap_from=start) or last
+
+    def _moe_backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
+                      alloc: MemoryDelta) -> Ids:
+        """The expert half of an MoE layer's backward, in autograd's order: (the full
+        recompute's dispatch and combine again,) the combine's backward exchange, the
+        un-permutation's backward, the experts' data and weight gradients, the dispatch's
+        backward exchange, the permutation's and the router's backward. An all-to-all's
+        backward is an all-to-all; the all-gather dispatcher's gather and reduce-scatter swap."""
+        emit, moe = self.emit, unit.moe
+        assert moe is not None
+        swap = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
+        dispatch_kind, combine_kind = unit.ep_kinds
+        last: Sequence[Ids | None] = deps
+        if unit.ep_recomputed and unit.ep_bytes:
+            redo = self._ep(dispatch_kind, unit, f"ep.dispatch.redo.{label}", "ep_dispatch", last, deps, step)
+            last = [self._ep(combine_kind, unit, f"ep.combine.redo.{label}", "ep_combine", [redo], [redo], step)]
+        combine = self._ep(swap[combine_kind], unit, f"ep.combine.bwd.{label}", "ep_combine", last, last, step)
+        unpermute = emit.compute(f"bwd.unpermute.{label}", "moe_permute", moe.unpermute_backward,
+                                 [*deps, *([] if self.deg.moe_ep_overlap else [combine])], step, alloc=alloc)
+        experts = emit.compute(f"bwd.experts.{label}", "moe_grouped_gemm", moe.experts_backward, [unpermute], step)
+        dispatch = self._ep(swap[dispatch_kind], unit, f"ep.dispatch.bwd.{label}", "ep_dispatch", [experts],
+                            [combine] if combine else deps, step)
+        permute = emit.compute(f"bwd.permute.{label}", "moe_permute", moe.permute_backward, [experts, dispatch], step)
+        return emit.compute(f"bwd.router.{label}", "moe_router", moe.router_backward, [permute], step)
 
 
 class _PassMemory(NamedTuple):

@@ -12,7 +12,7 @@ from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
 from hzpsim.strategies import _implementations
-from hzpsim.strategies._dims import ParallelDims
+from hzpsim.strategies._dims import ParallelDims, moe_fields
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -20,7 +20,7 @@ def dims(config: Any) -> ParallelDims:
     return ParallelDims(tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp, ep=config.ep, etp=config.etp,
                         vpp=config.vpp, sequence_parallel=config.sequence_parallel,
                         tp_comm_overlap=config.tp_comm_overlap, tp_comm_overlap_backward=config.tp_comm_overlap_backward,
-                        moe_imbalance=config.moe_imbalance)
+                        **moe_fields(config))
 
 
 def schedule(config: Any) -> Schedule:

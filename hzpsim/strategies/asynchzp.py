@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
 from hzpsim.strategies import _family, _family_bound, _implementations, compose_label
-from hzpsim.strategies._dims import ParallelDims
+from hzpsim.strategies._dims import ParallelDims, moe_fields
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -49,6 +49,10 @@ class Config:
     ep: int = 1  # expert-parallel size (MoE)
     sequence_parallel: bool = False  # with tp
     moe_imbalance: float = 1.0  # busiest expert rank's load over the mean
+    moe_capacity_factor: float | None = None  # tokens an expert accepts over the mean; None = dropless
+    moe_pad_to_capacity: bool = False  # pad every expert's input to its capacity
+    moe_dispatcher: Literal["", "alltoall", "allgather", "deepep"] = ""  # "" = the implementation's
+    moe_ep_overlap: bool = False  # dispatch / combine overlap another micro-batch's compute
     implementation: str = "reference"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:
@@ -66,7 +70,7 @@ class Config:
 def dims(config: Config) -> ParallelDims:
     """The model parallelism the sharding composes with."""
     return ParallelDims(tp=config.tp, cp=config.cp, ep=config.ep, sequence_parallel=config.sequence_parallel,
-                   moe_imbalance=config.moe_imbalance)
+                   **moe_fields(config))
 
 
 def sizes(config: Config, topology: Topology) -> tuple[int, int, int]:

@@ -52,6 +52,10 @@ class Config:
     tp_comm_overlap_backward: bool = True  # the backward's TP transfers overlap too (TE's userbuffers);
     # false: forward only, as PyTorch's async TP (forward +29 %, end to end +8 %)
     moe_imbalance: float = 1.0  # busiest expert rank's routed tokens over the mean (>= 1)
+    moe_capacity_factor: float | None = None  # tokens an expert accepts over the mean; None = dropless
+    moe_pad_to_capacity: bool = False  # pad every expert's input to its capacity (--moe-pad-expert-input-to-capacity)
+    moe_dispatcher: Literal["", "alltoall", "allgather", "deepep"] = ""  # "" = the implementation's
+    moe_ep_overlap: bool = False  # --overlap-moe-expert-parallel-comm: dispatch / combine behind another micro-batch
     first_stage_layers: int | None = None  # layers on the first pipeline stage (Megatron's uneven split)
     last_stage_layers: int | None = None  # layers on the last pipeline stage
     overlap_grad_reduce: bool = True  # bucketed gradient reduction overlaps the last backward
@@ -160,7 +164,7 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
                           "num_micro_batches": m, "layers_per_virtual_stage": list(lay.layers_per_virtual_stage),
                           **({"compute_slowdown": factors} if factors else {})})
     plan = schedule(config)
-    units = mp_units(model, training, d, plan.implementation)
+    units = mp_units(model, training, d.placed(topology), plan.implementation)
     # units of each virtual stage: embedding on the first, head on the last
     bounds: list[list[int]] = []
     start = 1

@@ -32,6 +32,9 @@ REQUIRED_COLUMNS = (
     "measured_step_time_s", "notes",
 )
 """Every column the mapping reads (cells may be blank; the column must exist)."""
+OPTIONAL_COLUMNS = ("intra_node_link", "moe_dispatcher", "moe_ep_overlap")
+"""Columns the mapping reads when present (the NVLink domain, the MoE dispatcher and EP overlap
+a row states); a CSV without them maps as if they were blank."""
 
 
 def _csv_text(file: Path) -> str:

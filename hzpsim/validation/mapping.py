@@ -89,6 +89,8 @@ class Case:
 _GPU_RULES: tuple[tuple[str, str], ...] = (
     ("mi250x", "mi250x"),  # "MI250X (per GCD)": one device = one GCD, as the catalog
     ("v100", "v100"),  # V100 / V100-32GB (DGX-2)
+    ("gb200", "gb200"),  # GB200 (NVL72 racks; map_cluster sizes the NVLink domain)
+    ("b200", "b200"),  # DGX B200
     ("h200", "h200"),
     ("h100", "h100-sxm"),  # H100-SXM-80GB, H100-80GB (LLM-Foundry, assumed SXM), H100-96GB Grand Teton
     ("40gb", "a100-40gb"),
@@ -235,10 +237,17 @@ def map_cluster(row: dict[str, Any], device: str, n_gpus: int) -> tuple[dict[str
     preset = get_device(device).default_cluster_preset
     base = preset_spec(preset)
     gpn = whole(row, "gpus_per_node") or int(base.gpus_per_node)  # type: ignore[arg-type]
+    notes: list[str] = []
+    if "nvl72" in cell_text(row, "intra_node_link").lower() and n_gpus > gpn:
+        # hzpsim's node is the NVLink domain: the row's 4-GPU compute trays sit in NVL72 racks.
+        # A job rarely fills whole 72-GPU racks; the largest tray-aligned share of a rack that
+        # divides the job is assumed per rack (64 for 128 to 512 GPUs)
+        domain = max(g for g in range(gpn, 73, gpn) if n_gpus % g == 0)
+        notes.append(f"NVL72: {domain} GPUs per NVLink domain (rack) assumed, {n_gpus // domain} racks")
+        gpn = domain
     if n_gpus % gpn:
         raise RowSkipped(f"n_gpus: {n_gpus} is not a multiple of gpus_per_node {gpn}")
     cluster: dict[str, Any] = {"device": device, "num_nodes": n_gpus // gpn}
-    notes: list[str] = []
     memory_gb = re.search(r"(\d+)\s*gb", cell_text(row, "gpu").lower())
     catalog = get_device(device)
     if memory_gb and float(memory_gb.group(1)) != catalog.memory_label_gb:
@@ -301,14 +310,30 @@ def _grad_dtype(row: dict[str, Any]) -> str | None:
 # each runs any strategy as; a plugin's FRAMEWORK_IMPLEMENTATIONS overrides (DeepSpeed and FSDP
 # run only the sharded strategies that declare them; torchtitan runs FSDP2 for ZeRO/HSDP;
 # plain Megatron-LM is megatron-2021 for ND).
-_FRAMEWORKS = ("deepspeed", "torchtitan", "llm-foundry", "fsdp", "fairscale", "megatron-core", "nemo", "megatron-bridge", "megatron")
+_FRAMEWORKS = ("deepspeed", "torchtitan", "llm-foundry", "fsdp", "fairscale", "nemo", "megatron-bridge", "megatron-core", "megatron")
 _FRAMEWORK_DEFAULTS = {
     "torchtitan": "torchtitan",
-    "megatron-core": "megatron-core", "nemo": "megatron-core", "megatron-bridge": "megatron-core",
+    # NeMo and Megatron-Bridge run Megatron-Core as their recipes configure it (megatron-bridge:
+    # the same collectives, the recipes' MoE settings)
+    "megatron-core": "megatron-core", "nemo": "megatron-bridge", "megatron-bridge": "megatron-bridge",
     # the Megatron-DeepSpeed fork (and Megatron-LM before the overlapped distributed optimizer,
     # 2021-2022 papers): gradients all-reduced after the backward
     "megatron": "deepspeed",
 }
+
+
+def _map_moe(row: dict[str, Any], strategy: dict[str, Any], assumptions: list[str]) -> None:
+    """The MoE settings a row states: its token dispatcher (``moe_dispatcher``: Megatron's flex
+    dispatcher with a DeepEP or HybridEP backend is ``deepep``) and whether the EP exchanges
+    overlap compute (``moe_ep_overlap``: ``--overlap-moe-expert-parallel-comm``, DualPipe).
+    Blank cells leave the implementation profile's defaults."""
+    dispatcher = cell_text(row, "moe_dispatcher").lower()
+    if dispatcher and strategy.get("ep", 1) > 1:
+        if dispatcher not in ("alltoall", "allgather", "deepep"):
+            raise RowSkipped(f"moe_dispatcher: unknown dispatcher {dispatcher!r}")
+        strategy["moe_dispatcher"] = dispatcher
+    if cell_text(row, "moe_ep_overlap").lower() == "true" and strategy.get("ep", 1) > 1:
+        strategy["moe_ep_overlap"] = True
 
 
 def map_implementation(row: dict[str, Any], strategy: str) -> tuple[str, list[str]]:
@@ -489,6 +514,7 @@ def case_from_row(row: dict[str, Any], index: int, need_measurement: bool = True
                 # in PyTorch's announcement: what the forward alone accounts for)
                 strategy["tp_comm_overlap_backward"] = False
                 assumptions.append("async TP (PyTorch): the forward's TP transfers only")
+        _map_moe(row, strategy, assumptions)
         if "peak" in cell_text(row, "notes").lower() and "not average" in cell_text(row, "notes").lower():
             caveats.append("measured value is a peak, not an average")
     except RowSkipped as exc:

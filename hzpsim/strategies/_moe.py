@@ -1,0 +1,151 @@
+"""An MoE layer as the frameworks run it, on one rank, per micro-batch: the router, the token
+permutation, the experts' grouped GEMMs, the un-permutation, and the dispatcher's exchanges
+between them (``_model_parallel.UnitEmitter`` emits them as ops of their own; docs/moe.md).
+
+The busiest expert-parallel rank sets the pace: its routed copies (``ParallelDims.moe_load``:
+the imbalance, capped by a capacity factor) size its grouped GEMMs, its activations and the
+receiving side of the all-to-all.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from hzpsim.model import Model
+from hzpsim.model.kernels import Gemm
+from hzpsim.strategies._dims import ParallelDims
+from hzpsim.strategies._layers import Work, linear_gemms
+
+
+class MoEWork(NamedTuple):
+    """The expert half of an MoE layer on one rank, per micro-batch, forward and backward
+    (recompute included), each part run as an op of its own between the dispatcher's exchanges:
+    the router (gating GEMM, softmax / top-k, load-balancing loss), the permutation of the
+    token copies into expert order, the experts' grouped GEMMs (with their activation
+    function) and the un-permutation (weighted sum of each token's copies)."""
+
+    router: Work
+    permute: Work
+    experts: Work
+    unpermute: Work
+    router_backward: Work
+    permute_backward: Work
+    experts_backward: Work
+    unpermute_backward: Work
+
+
+def expert_gemms(model: Model, linears: Sequence[tuple[int, int, str]], tokens: float, deg: ParallelDims) -> list[Gemm]:
+    """The forward GEMMs of this rank's E/ep experts over the ``tokens``·top_k routed copies of
+    its ``tokens``, as many arriving at the busiest rank as its load says
+    (:attr:`ParallelDims.moe_load`), shared equally by its experts, weights split by etp. One
+    grouped GEMM per linear whose tiles share the waves (Megatron-Core ``TEGroupedMLP`` /
+    ``GroupedMLP``, torchtitan ``torch._grouped_mm``), or one GEMM per local expert
+    (``SequentialMLP``): small per-expert token counts leave tiles part-empty either way
+    (``hardware/compute.py``'s tile and wave quantisation)."""
+    assert model.moe is not None
+    local_experts = model.moe.num_experts / deg.ep
+    per_expert = tokens * model.moe.top_k * deg.moe_load / local_experts
+    gemms = linear_gemms(linears, per_expert, deg.etp)
+    if deg.moe_grouped_gemm:
+        return [g._replace(batch=local_experts) for g in gemms]
+    return [g._replace(calls=local_experts) for g in gemms]
+
+
+def dispatch(model: Model, tokens: float, act: int, deg: ParallelDims) -> tuple[float, tuple[str, str]]:
+    """One dispatch (or combine) exchange of an MoE layer on one rank routing ``tokens``: its
+    bytes and the collective kinds of the forward's dispatch and combine. 0 bytes without EP.
+
+    - ``alltoall`` (Megatron-Core ``MoEAlltoAllTokenDispatcher``, torchtitan's
+      ``all_to_all_single`` with splits, DeepSpeed-MoE ``_AllToAll``): each rank sends its
+      tokens·top_k copies to the experts' ranks; the busiest rank receives its load
+      (:attr:`ParallelDims.moe_load`) times the mean, and the exchange ends when it has.
+    - ``allgather`` (``MoEAllGatherTokenDispatcher``): every rank gathers the whole group's
+      tokens (ep·tokens·h, no top_k copies, whatever the routing) and the combine
+      reduce-scatters the same buffer; the routing map and probabilities it gathers too are
+      not counted (E + top_k numbers per token against h).
+    - ``deepep`` (DeepEP's normal kernels behind Megatron-Core's flex dispatcher): a token goes
+      once over the network to each node holding one of its experts and is forwarded over
+      NVLink there (``deep_ep/buffer.py::Buffer.internode_dispatch``); inside a node it is the
+      all-to-all. The node deduplication is applied to the whole exchange (NVLink included,
+      which it understates; the network part dominates once EP crosses nodes)."""
+    if deg.ep == 1:
+        return 0.0, ("all_to_all", "all_to_all")
+    assert model.moe is not None
+    h, k = model.hidden_size, model.moe.top_k
+    if deg.moe_dispatcher == "allgather":
+        return deg.ep * tokens * h * act, ("all_gather", "reduce_scatter")
+    copies = tokens * k * h * act * deg.moe_load
+    if deg.moe_dispatcher == "deepep":
+        copies *= node_dedup(model.moe.num_experts, k, deg.ep_nodes)
+    return copies, ("all_to_all", "all_to_all")
+
+
+def send_buffer_bytes(model: Model, tokens: float, act: int, deg: ParallelDims) -> float:
+    """What the dispatcher stages before its exchange: the ``tokens``·top_k permuted copies
+    (all-to-all, DeepEP; every rank sends its own routing, balanced) or the gathered buffer of
+    the whole EP group's tokens (all-gather)."""
+    assert model.moe is not None
+    if deg.moe_dispatcher == "allgather":
+        return deg.ep * tokens * model.hidden_size * act
+    return tokens * model.moe.top_k * model.hidden_size * act
+
+
+def node_dedup(num_experts: int, top_k: int, nodes: int) -> float:
+    """Network copies DeepEP sends per token over those an all-to-all sends, with experts spread
+    evenly over ``nodes`` nodes and each token's top_k experts drawn uniformly without
+    replacement: a remote node holding j ≥ 1 of them receives one copy instead of j. Expected
+    remote nodes reached, (nodes − 1)·(1 − C(E − E/nodes, k) / C(E, k)), over the expected
+    remote copies, k·(nodes − 1)/nodes. 1 on one node. Node-limited routing (DeepSeek-V3's
+    at most 4 nodes per token) would lower it further; not modelled."""
+    if nodes <= 1:
+        return 1.0
+    per_node = num_experts // nodes
+    miss = math.comb(num_experts - per_node, top_k) / math.comb(num_experts, top_k)
+    return (nodes - 1) * (1 - miss) / (top_k * (nodes - 1) / nodes)
+
+
+def moe_work(model: Model, i: int, router: list[Gemm], experts: list[Gemm], tokens: float, act: int,
+              deg: ParallelDims, mode: str, router_redo: Sequence[tuple[int, int, str]]) -> MoEWork:
+    """The router, permutation, experts and un-permutation of MoE layer ``i`` for one rank's
+    ``tokens`` (:class:`MoEWork`), per micro-batch, their HBM bytes counted kernel by kernel
+    [INF, after Megatron-Core ``moe/router.py::TopKRouter`` and ``moe/moe_utils.py::permute`` /
+    ``unpermute``]:
+
+    - router: the gating GEMM writes E logits per token; softmax (or sigmoid) reads them and
+      writes fp32 scores, top-k reads those and writes k fp32 probabilities and k int64
+      indices, the load-balancing loss reads the scores once more: (B + 12)·E + 12·k bytes
+      per token; its backward about twice that (``moe_work``: as every memory-bound kernel);
+    - permute: reads each token once and writes its k copies in expert order, (1 + k)·B·h;
+      un-permute reads the k copies back, scales them by their probabilities and writes the
+      sum, the same bytes; the backward of each moves as much again;
+    - experts: the grouped GEMMs (:func:`expert_gemms`) and the activation function over the
+      busiest rank's copies (SwiGLU reads gate and up and writes their product, 3·B·f; GELU
+      2·B·f), weights and intermediate split by etp.
+
+    The full recompute repeats the whole forward; per-op SAC (``op``) repeats the routed GEMMs
+    and the router's recomputed linears (``router_redo``)."""
+    assert model.moe is not None
+    h, k, e = model.hidden_size, model.moe.top_k, model.moe.num_experts
+    per_ffn = 3 if model.mlp == "swiglu" else 2
+    routed = tokens * k * deg.moe_load
+    router_bytes = tokens * ((act + 12) * e + 12 * k)
+    permute_bytes = tokens * (1 + k) * act * h
+    activation_bytes = routed * per_ffn * act * model.moe.expert_ffn_hidden_size / deg.etp
+    fwd_router, fwd_permute = Work.of(router, router_bytes), Work(bytes_accessed=permute_bytes)
+    fwd_experts = Work.of(experts, activation_bytes)
+    bwd_router = Work.of([g for shape in router for g in shape.backward()], 2 * router_bytes)
+    bwd_permute = Work(bytes_accessed=permute_bytes)
+    bwd_experts = Work.of([g for shape in experts for g in shape.backward()], 2 * activation_bytes)
+    if mode == "full":
+        bwd_router, bwd_permute = bwd_router + fwd_router, bwd_permute + fwd_permute
+        bwd_experts = bwd_experts + fwd_experts
+        unpermute_redo = fwd_permute
+    else:
+        unpermute_redo = Work()
+        if mode == "op":
+            bwd_experts = bwd_experts + fwd_experts
+            bwd_router = bwd_router + Work.of(linear_gemms(router_redo, tokens, 1))
+    return MoEWork(fwd_router, fwd_permute, fwd_experts, fwd_permute, bwd_router, bwd_permute, bwd_experts,
+                   bwd_permute + unpermute_redo)

@@ -1,0 +1,165 @@
+"""MoE layers as the frameworks run them: dispatchers, overlap, load imbalance, the named parts of
+the step (strategies/_moe.py, docs/moe.md)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hzpsim.cli import main
+from hzpsim.run import run_choice
+from hzpsim.scenario import scenario_from_mapping
+from hzpsim.sim.engine import simulate
+from hzpsim.strategies import _moe, nd
+from hzpsim.strategies._dims import ParallelDims
+
+
+def mixtral(gpus_per_node: int = 8, **strategy):
+    """Mixtral-8x7B on 64 H100 with EP 8: inside a node on 8-GPU nodes, across two on 4-GPU nodes."""
+    cluster = {"preset": "dgx-h100", "num_nodes": 64 // gpus_per_node}
+    if gpus_per_node != 8:
+        cluster["gpus_per_node"] = gpus_per_node
+    return scenario_from_mapping({
+        "model": "mixtral-8x7b", "training": {"global_batch_size": 256},
+        "cluster": cluster,
+        "strategy": {"name": "nd", "pp": 4, "ep": 8, "zero_stage": 1, "moe_dispatcher": "alltoall", **strategy},
+    })
+
+
+def report(sc):
+    return run_choice(sc, sc.strategies[0])
+
+
+def exposed_ep_s(r) -> float:
+    return sum(v for k, v in r["time_breakdown_s"].items() if k.startswith("exposed.ep"))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for gpn in (8, 4):
+        for dispatcher in ("alltoall", "deepep"):
+            out[gpn, dispatcher] = report(mixtral(gpn, moe_dispatcher=dispatcher))
+    return out
+
+
+def test_deepep_beats_alltoall_across_nodes_and_gains_less_inside_one(runs):
+    across = exposed_ep_s(runs[4, "deepep"]), exposed_ep_s(runs[4, "alltoall"])
+    assert across[0] < across[1]
+    gain = {gpn: 1 - runs[gpn, "deepep"]["step_time_s"] / runs[gpn, "alltoall"]["step_time_s"] for gpn in (8, 4)}
+    assert gain[4] > 0
+    assert gain[8] < gain[4]
+
+
+def test_breakdown_and_explain_name_the_moe_parts(runs, capsys, tmp_path):
+    keys = runs[4, "alltoall"]["time_breakdown_s"]
+    assert any("dispatch" in k for k in keys) and any("combine" in k for k in keys)
+    for part in ("moe_router", "moe_permute", "moe_grouped_gemm"):
+        assert f"compute.{part}" in keys, part
+    path = tmp_path / "mix.yaml"
+    path.write_text("model: mixtral-8x7b\ntraining: {global_batch_size: 64}\n"
+                    "cluster: {preset: dgx-h100, num_nodes: 2}\n"
+                    "strategy: {name: nd, ep: 8, moe_dispatcher: alltoall}\n")
+    assert main(["run", str(path), "--explain"]) == 0
+    out = capsys.readouterr().out
+    for word in ("ep_dispatch", "ep_combine", "moe_grouped_gemm", "moe_router", "moe_permute"):
+        assert word in out, word
+
+
+def test_imbalance_one_is_the_balanced_case_exactly():
+    base = mixtral()
+    graph = nd.build(base.strategies[0].config, base.model, base.training, base.topology)
+    explicit = mixtral(moe_imbalance=1.0)
+    again = nd.build(explicit.strategies[0].config, explicit.model, explicit.training, explicit.topology)
+    assert [(o.name, o.flops, o.bytes_accessed) for o in graph.ops] == [(o.name, o.flops, o.bytes_accessed) for o in again.ops]
+    # the balanced closed form: each rank's one expert (E/ep = 1) runs T·k/ep·ep = T·k/... copies
+    m = base.model
+    tokens = m.seq_len  # micro-batch 1, no TP / CP
+    per_rank_copies = tokens * m.moe.top_k  # every rank sends T·k copies and, balanced, receives as many
+    flops = 2 * per_rank_copies * 3 * m.hidden_size * m.moe.expert_ffn_hidden_size
+    experts = next(o for o in graph.ops if o.name.startswith("fwd.experts.") and o.step == 0)
+    assert sum(f for _, f in experts.flops) == pytest.approx(flops, rel=1e-12)
+
+
+def test_higher_imbalance_never_makes_a_step_faster():
+    steps = [report(mixtral(4, moe_imbalance=x))["step_time_s"] for x in (1.0, 1.1, 1.3, 2.0)]
+    assert steps == sorted(steps)
+    assert steps[-1] > steps[0]
+
+
+def test_imbalance_scales_the_busiest_ranks_exchange_and_a_capacity_factor_caps_it():
+    base = ParallelDims(ep=8, moe_imbalance=1.5)
+    assert base.moe_load == 1.5
+    assert ParallelDims(ep=8, moe_imbalance=1.5, moe_capacity_factor=1.25).moe_load == 1.25
+    assert ParallelDims(ep=8, moe_imbalance=1.1, moe_capacity_factor=1.25, moe_pad_to_capacity=True).moe_load == 1.25
+    assert ParallelDims(ep=1, moe_imbalance=1.5).moe_load == 1.0  # one rank runs every expert on its own tokens
+    sc = mixtral()
+    balanced, _ = _moe.dispatch(sc.model, 4096, 2, ParallelDims(ep=8))
+    skewed, _ = _moe.dispatch(sc.model, 4096, 2, base)
+    assert skewed == pytest.approx(1.5 * balanced)
+
+
+def test_dispatchers_move_what_the_frameworks_move():
+    model = mixtral().model
+    h, k, t = model.hidden_size, model.moe.top_k, 4096
+    copies, kinds = _moe.dispatch(model, t, 2, ParallelDims(ep=8, moe_dispatcher="alltoall"))
+    assert copies == t * k * h * 2 and kinds == ("all_to_all", "all_to_all")
+    gathered, kinds = _moe.dispatch(model, t, 2, ParallelDims(ep=8, moe_dispatcher="allgather"))
+    assert gathered == 8 * t * h * 2 and kinds == ("all_gather", "reduce_scatter")
+    deep, _ = _moe.dispatch(model, t, 2, ParallelDims(ep=8, moe_dispatcher="deepep", ep_nodes=2))
+    # E = 8, top-2, 2 nodes of 4 experts: a token reaches the other node with probability
+    # 1 - C(4,2)/C(8,2) = 22/28 and sends it k/2 = 1 copy on average with all-to-all
+    assert deep == pytest.approx(copies * (22 / 28) / 1.0)
+    assert _moe.node_dedup(8, 2, 1) == 1.0
+    assert _moe.node_dedup(256, 8, 8) == pytest.approx(7 * (1 - math.comb(224, 8) / math.comb(256, 8)) / 7)
+
+
+def test_overlap_hides_the_exchanges():
+    plain, hidden = report(mixtral(4)), report(mixtral(4, moe_ep_overlap=True))
+    assert exposed_ep_s(hidden) < exposed_ep_s(plain)
+    assert hidden["step_time_s"] < plain["step_time_s"]
+
+
+def test_megatron_core_defaults_to_its_allgather_dispatcher_and_nemo_recipes_to_alltoall():
+    sc = scenario_from_mapping({
+        "model": "tiny-moe", "training": {"global_batch_size": 32},
+        "cluster": {"preset": "dgx-h100", "num_nodes": 1}, "strategy": {"name": "nd", "ep": 4}})
+    graph = nd.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
+    assert {o.collective for o in graph.ops if o.category == "ep_dispatch"} == {"all_gather", "reduce_scatter"}
+    bridge = scenario_from_mapping({
+        "model": "tiny-moe", "training": {"global_batch_size": 32},
+        "cluster": {"preset": "dgx-h100", "num_nodes": 1},
+        "strategy": {"name": "nd", "ep": 4, "implementation": "megatron-bridge"}})
+    graph = nd.build(bridge.strategies[0].config, bridge.model, bridge.training, bridge.topology)
+    assert {o.collective for o in graph.ops if o.category == "ep_dispatch"} == {"all_to_all"}
+    r = report(bridge)
+    assert r["strategy_resolved"]["moe_dispatcher"] == "alltoall"
+
+
+@pytest.mark.parametrize("strategy, model, key", [
+    ({"ep": 4, "moe_dispatcher": "nccl"}, "tiny-moe", "moe_dispatcher"),
+    ({"ep": 4, "moe_imbalance": 0.9}, "tiny-moe", "moe_imbalance"),
+    ({"ep": 3}, "tiny-moe", "ep"),
+    ({"ep": 4, "moe_capacity_factor": 0}, "tiny-moe", "moe_capacity_factor"),
+    ({"ep": 4, "moe_pad_to_capacity": True}, "tiny-moe", "moe_pad_to_capacity"),
+    ({}, {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 64,
+          "seq_len": 64, "moe": {"num_experts": 4, "top_k": 8, "expert_ffn_hidden_size": 64}}, "top_k"),
+])
+def test_bad_moe_input_exits_2_naming_the_key(tmp_path, capsys, strategy, model, key):
+    import yaml
+
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"model": model, "training": {"global_batch_size": 32},
+                                    "cluster": {"preset": "dgx-h100", "num_nodes": 1},
+                                    "strategy": {"name": "nd", **strategy}}))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert key in err and "Traceback" not in err, err
+
+
+def test_a_trace_of_an_moe_step_simulates(runs):
+    sc = mixtral(4, moe_dispatcher="allgather", moe_ep_overlap=True)
+    graph = nd.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
+    trace = simulate(graph, sc.topology)
+    assert max(trace.end_s) > 0

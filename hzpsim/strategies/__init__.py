@@ -116,13 +116,13 @@ def as_simulated(config: Any) -> Any:
         return config
     profile = _implementations.get(name)
     fields = {f.name for f in dataclasses.fields(config)}
+    plugin_config: Any = config  # a plugin's Config: its fields are read by name
     changes: dict[str, Any] = {}
     if "overlap_grad_reduce" in fields and profile.grad_reduce_overlap is not None:
         changes["overlap_grad_reduce"] = profile.grad_reduce_overlap
-    if "moe_dispatcher" in fields and not config.moe_dispatcher:
+    if "moe_dispatcher" in fields and not plugin_config.moe_dispatcher:
         changes["moe_dispatcher"] = profile.moe_dispatcher  # the MoE layers' dispatcher unless set
     if "prefetch_depth" in fields:
-        plugin_config: Any = config  # a plugin's Config with a prefetch_depth field
         changes["prefetch_depth"] = min(plugin_config.prefetch_depth, profile.max_prefetch_depth)
     return dataclasses.replace(config, **changes) if changes else config
 

@@ -163,3 +163,27 @@ def test_a_trace_of_an_moe_step_simulates(runs):
     graph = nd.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
     trace = simulate(graph, sc.topology)
     assert max(trace.end_s) > 0
+
+
+@pytest.mark.parametrize("gpus_per_node", [8, 4])
+def test_search_bounds_stay_below_the_simulated_moe_step(gpus_per_node):
+    """The search's step-time and memory bounds follow the MoE mechanisms: never above what the
+    simulator reports, for every dispatcher, with and without overlap and recompute."""
+    from hzpsim import search as S
+
+    sc = mixtral(gpus_per_node)
+    bounder = S.Bounder(sc)
+    ratios = []
+    for dispatcher in ("alltoall", "allgather", "deepep"):
+        for overlap in (False, True):
+            for pp, rc in ((4, "none"), (2, "full")):
+                fields = {"tp": 1, "pp": pp, "vpp": 1, "cp": 1, "ep": 8, "zero_stage": 1, "sequence_parallel": False,
+                          "moe_dispatcher": dispatcher, "moe_ep_overlap": overlap}
+                candidate = S.Candidate("nd", tuple(sorted(fields.items())), 1, rc)
+                result = S.evaluate(sc, candidate)
+                report = result["report"]
+                b = bounder(candidate, refine=True)
+                assert b.step_time_s <= report["step_time_s"] * (1 + 1e-9), (candidate.label(), b, report["step_time_s"])
+                assert b.memory_bytes <= report["peak_memory_allocated_bytes"] * (1 + 1e-9), candidate.label()
+                ratios.append(b.step_time_s / report["step_time_s"])
+    assert sum(ratios) / len(ratios) > 0.8, ratios  # and close enough to prune

@@ -199,47 +199,63 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
     what depends on the collective itself (sends, reductions)."""
     tp_ranks = range(deg.tp)
     ep_ranks = list(expert_placement(n, deg.ep, deg.etp, pp).group("ep", 0)) if deg.ep > 1 else []
-    late_tp, late_ep = costs.late(deg.tp), costs.late(len(ep_ranks))
+    late_tp = costs.late(deg.tp)
     out = []
     for u in units:
         w = costs.work_s
         exposed = 1 - deg.tp_comm_overlap
         tp_f = sum(costs.collective_s(k, b * exposed, tp_ranks, c) for k, c, b in u.tp_calls(True))
         tp_b = sum(costs.collective_s(k, b * exposed, tp_ranks, c) for k, c, b in u.tp_calls(False))
-        moe = bool(u.is_moe and u.ep_bytes)
-        a2a = costs.collective_s("all_to_all", u.ep_bytes, ep_ranks) if moe else 0.0
         pre, remote, post, back, back_remote = (w(u.pre), w(u.remote), w(u.post), w(u.backward),
                                                 w(u.backward_remote))
         cp = bool(u.cp_bytes)
         wait_tp_f = late_tp if tp_f else 0.0
         wait_tp_b = late_tp if tp_b else 0.0
-        if not cp and not moe:  # one compute op, then the TP all-reduces
+        moe_f = moe_b = moe_sq = 0.0
+        x_f = x_b = 0.0  # the MoE layer's exchanges, forward and backward (_model_parallel.UnitEmitter._ep)
+        demand: dict[str, float] = {}
+        if u.moe is not None:
+            parts_f = [w(x) for x in (u.moe.router, u.moe.permute, u.moe.experts, u.moe.unpermute)]
+            parts_b = [w(x) for x in (u.moe.router_backward, u.moe.permute_backward, u.moe.experts_backward,
+                                      u.moe.unpermute_backward)]
+            moe_f, moe_b, moe_sq = sum(parts_f), sum(parts_b), sum(x * x for x in parts_f + parts_b)
+            if u.ep_bytes:
+                swap = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
+                forward_kinds = list(u.ep_kinds)
+                backward_kinds = [swap[k] for k in u.ep_kinds] + (forward_kinds if u.ep_recomputed else [])
+                x_f = sum(costs.collective_s(k, u.ep_bytes, ep_ranks) for k in forward_kinds)
+                x_b = sum(costs.collective_s(k, u.ep_bytes, ep_ranks) for k in backward_kinds)
+                for k in forward_kinds + backward_kinds:
+                    costs.add_demand(demand, k, u.ep_bytes, ep_ranks, 1)
+        if u.moe is not None:  # attention (TP after it), then the MoE ops around the exchanges
+            # the TP collective after the attention block starts late and the router waits for
+            # the straggler again; the exchanges' own stragglers are not counted (a lower bound)
+            wait_f, after_f = 2 * wait_tp_f * (remote if cp else pre), 0.0
+            wait_b = after_b = wait_tp_b * (back_remote if cp else back)
+        elif not cp:  # one compute op, then the TP all-reduces
             wait_f = after_f = wait_tp_f * (pre + post)
             wait_b = after_b = wait_tp_b * back
-        elif moe:  # (remote) TP, dispatch, experts, combine; backward: combine, main, (remote), dispatch, TP
-            before = remote if cp else pre
-            first = wait_tp_f * before if tp_f else late_ep * before  # TP's, or the dispatch's
-            after_f = late_ep * post  # the combine's
-            wait_f = 2 * first + after_f  # the experts wait for the first straggler again
-            wait_b = after_b = late_ep * (back_remote if cp else back)  # the dispatch's
         else:  # context parallel: the TP all-reduces follow the MLP (or the remote attention)
             wait_f = after_f = wait_tp_f * (post if u.post else remote)
             wait_b = after_b = wait_tp_b * back_remote
-        simple = not cp and not moe
+        simple = not cp and u.moe is None
         forward_sq = (pre + post) ** 2 if simple else pre ** 2 + remote ** 2 + post ** 2
-        fwd = pre + remote + post + tp_f + 2 * a2a + wait_f
-        bwd = back + back_remote + tp_b + 2 * a2a + wait_b
-        demand: dict[str, float] = {}
+        if deg.moe_ep_overlap:  # the exchanges run beside the pass's compute
+            fwd = max(pre + remote + post + tp_f + moe_f, x_f) + wait_f
+            bwd = max(back + back_remote + tp_b + moe_b, x_b) + wait_b
+            exposed_x = 0.0
+        else:
+            fwd = pre + remote + post + tp_f + moe_f + x_f + wait_f
+            bwd = back + back_remote + tp_b + moe_b + x_b + wait_b
+            exposed_x = x_f + x_b
         for k, c, b in [*u.tp_calls(True), *u.tp_calls(False)]:
             costs.add_demand(demand, k, b * exposed, tp_ranks, c)
-        if moe:
-            costs.add_demand(demand, "all_to_all", u.ep_bytes, ep_ranks, 4)
-        out.append(UnitCost(fwd, bwd, tp_f + tp_b + 4 * a2a + wait_f + wait_b, u.activation_bytes, u.dense_params,
+        out.append(UnitCost(fwd, bwd, tp_f + tp_b + exposed_x + wait_f + wait_b, u.activation_bytes, u.dense_params,
                              u.expert_params, tuple(sorted(demand.items())), u.p2p_bytes,
                              tuple(u.tensors) or (u.dense_params,), after_f, after_b,
-                             kernels_s=pre + remote + post + back + back_remote,
-                             # one op (pre + post) without CP or EP; else pre, remote, post apart
-                             kernels_sq=forward_sq + back ** 2 + back_remote ** 2, forward_sq=forward_sq,
+                             kernels_s=pre + remote + post + back + back_remote + moe_f + moe_b,
+                             # one op (pre + post) without CP or MoE; else pre, remote, post apart
+                             kernels_sq=forward_sq + back ** 2 + back_remote ** 2 + moe_sq, forward_sq=forward_sq,
                              forward_kernel_s=pre + post if simple else 0.0, backward_kernel_s=back if simple else 0.0,
                              launches=u.kernels_forward + u.kernels_backward,
                              tp_calls=sum(c for _, c, _ in [*u.tp_calls(True, True), *u.tp_calls(False)])))

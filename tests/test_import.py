@@ -177,3 +177,37 @@ def test_torchtitan_layout_not_dividing(capsys, tmp_path):
     assert "tensor 3" in error(capsys, "torchtitan", str(toml), "--nodes", "1")
     toml.write_text((DATA / "llama3_8b.toml").read_text().replace("local_batch_size = 1", 'local_batch_size = "one"'))
     assert "local_batch_size: expected int" in error(capsys, "torchtitan", str(toml), "--nodes", "1")
+
+
+MIXTRAL_ARGS = """--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --group-query-attention
+--num-query-groups 8 --ffn-hidden-size 14336 --seq-length 4096 --max-position-embeddings 32768 --vocab-size 32000
+--swiglu --normalization RMSNorm --position-embedding-type rope --untie-embeddings-and-output-weights
+--disable-bias-linear --num-experts 8 --moe-router-topk 2 --micro-batch-size 1 --global-batch-size 256 --bf16
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --expert-model-parallel-size 8
+--use-distributed-optimizer {moe}"""
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("", {}),
+    ("--moe-token-dispatcher-type alltoall --moe-grouped-gemm --overlap-moe-expert-parallel-comm",
+     {"moe_dispatcher": "alltoall", "moe_grouped_gemm": True, "moe_ep_overlap": True}),
+    ("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep --moe-expert-capacity-factor 1.25",
+     {"moe_dispatcher": "deepep", "moe_capacity_factor": 1.25}),
+])
+def test_megatron_moe_flags_import_as_the_moe_settings(capsys, tmp_path, flags, expected):
+    path = tmp_path / "args.txt"
+    path.write_text(MIXTRAL_ARGS.format(moe=flags))
+    text = imported(capsys, "megatron", str(path), "--nodes", "8")
+    strategy = yaml.safe_load(text)["strategy"]
+    assert {k: strategy[k] for k in expected} == expected
+    assert not any(k.startswith("moe_") for k in strategy if k not in expected)
+    resolved = report(load_scenario_text(text, tmp_path))["strategy_resolved"]
+    # unset, Megatron-Core's own defaults (docs/moe.md): the allgather dispatcher, SequentialMLP
+    assert resolved["moe_dispatcher"] == expected.get("moe_dispatcher", "allgather")
+    assert resolved["moe_grouped_gemm"] == expected.get("moe_grouped_gemm", False)
+
+
+def load_scenario_text(text: str, tmp_path: Path):
+    path = tmp_path / "imported.yaml"
+    path.write_text(text)
+    return load_scenario(str(path))

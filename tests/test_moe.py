@@ -187,3 +187,12 @@ def test_search_bounds_stay_below_the_simulated_moe_step(gpus_per_node):
                 assert b.memory_bytes <= report["peak_memory_allocated_bytes"] * (1 + 1e-9), candidate.label()
                 ratios.append(b.step_time_s / report["step_time_s"])
     assert sum(ratios) / len(ratios) > 0.8, ratios  # and close enough to prune
+
+
+def test_sequential_experts_are_never_faster_than_one_grouped_gemm():
+    grouped = report(mixtral(4, moe_grouped_gemm=True, ep=2))
+    sequential = report(mixtral(4, moe_grouped_gemm=False, ep=2))
+    gg = grouped["time_breakdown_s"]["compute.moe_grouped_gemm"]
+    seq = sequential["time_breakdown_s"]["compute.moe_grouped_gemm"]
+    assert seq >= gg
+    assert grouped["strategy_resolved"]["moe_grouped_gemm"] is True

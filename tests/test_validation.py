@@ -195,6 +195,7 @@ def test_parse_inter_node():
 
 def test_precision_and_recompute_rules():
     assert map_precision("fp8 (float8 rowwise)", "h100-sxm")[0] == "fp8"
+    assert map_precision("mxfp8 (block-scaled)", "b200")[0] == "fp8"  # MXFP8 at the FP8 rate
     assert map_precision("bf16 (amp, FSDP mp DEFAULT)", "a100-80gb") == ("bf16", [])
     assert map_precision("mixed (fp16/bf16 not stated)", "a100-80gb")[0] == "bf16"
     assert map_precision("", "v100")[0] == "fp16"

@@ -122,6 +122,8 @@ def as_simulated(config: Any) -> Any:
         changes["overlap_grad_reduce"] = profile.grad_reduce_overlap
     if "moe_dispatcher" in fields and not plugin_config.moe_dispatcher:
         changes["moe_dispatcher"] = profile.moe_dispatcher  # the MoE layers' dispatcher unless set
+    if "moe_grouped_gemm" in fields and plugin_config.moe_grouped_gemm is None:
+        changes["moe_grouped_gemm"] = profile.moe_grouped_gemm
     if "prefetch_depth" in fields:
         changes["prefetch_depth"] = min(plugin_config.prefetch_depth, profile.max_prefetch_depth)
     return dataclasses.replace(config, **changes) if changes else config

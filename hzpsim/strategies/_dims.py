@@ -179,14 +179,15 @@ class ParallelDims:
 
 def moe_fields(config: Any) -> dict[str, Any]:
     """ParallelDims' MoE settings from a plugin's config: its own, and where it leaves the
-    dispatcher unset (``""``) the implementation profile's, with the profile's grouped GEMM."""
+    dispatcher unset (``""``) or the grouped GEMM unset (None) the implementation profile's."""
     from hzpsim.strategies import _implementations
 
     profile = _implementations.get(config.implementation)
     return {"moe_imbalance": config.moe_imbalance, "moe_capacity_factor": config.moe_capacity_factor,
             "moe_pad_to_capacity": config.moe_pad_to_capacity,
             "moe_dispatcher": config.moe_dispatcher or profile.moe_dispatcher,
-            "moe_ep_overlap": config.moe_ep_overlap, "moe_grouped_gemm": profile.moe_grouped_gemm}
+            "moe_ep_overlap": config.moe_ep_overlap,
+            "moe_grouped_gemm": profile.moe_grouped_gemm if config.moe_grouped_gemm is None else config.moe_grouped_gemm}
 
 
 def _culprit(degrees: dict[str, int], total: int) -> str:

@@ -53,6 +53,7 @@ class Config:
     moe_pad_to_capacity: bool = False  # pad every expert's input to its capacity
     moe_dispatcher: Literal["", "alltoall", "allgather", "deepep"] = ""  # "" = the implementation's
     moe_ep_overlap: bool = False  # dispatch / combine overlap another micro-batch's compute
+    moe_grouped_gemm: bool | None = None  # local experts as one grouped GEMM per linear; None = the implementation's
     implementation: str = "reference"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:

@@ -115,13 +115,15 @@ def map_device(gpu: str) -> tuple[str, list[str]]:
 
 
 def map_precision(text: str, device: str) -> tuple[str, list[str]]:
-    """fp8* -> fp8, fp16* -> fp16, bf16* -> bf16. 'mixed (fp16/bf16 not stated)' and blank ->
+    """fp8* -> fp8, mxfp8* -> fp8, fp16* -> fp16, bf16* -> bf16. 'mixed (fp16/bf16 not stated)' and blank ->
     bf16 (fp16 on V100, which has no bf16 tensor cores): fp16 and bf16 have the same dense peak
     on every other catalog device, so the choice does not change a prediction."""
     t = text.lower()
     for p in ("fp8", "fp16", "bf16"):
         if t.startswith(p):
             return p, []
+    if t.startswith("mxfp8"):  # block-scaled FP8 (OCP MX): Blackwell's tensor cores run it at the FP8 rate
+        return "fp8", [f"precision {text!r} -> fp8 (MXFP8 runs at the FP8 tensor-core peak; its scaling is not modelled)"]
     fallback = "fp16" if device == "v100" else "bf16"
     what = f"precision {text!r}" if t else "precision blank"
     return fallback, [f"{what} -> {fallback} (same peak as the alternative on this device)"]

@@ -43,6 +43,9 @@ READ: dict[str, Callable[[str], Any] | type] = {
     "overlap-grad-reduce": bool, "overlap-param-gather": bool, "tp-comm-overlap": bool, "use-flash-attn": bool,
     "transformer-impl": str, "ddp-impl": str, "no-bias-gelu-fusion": bool, "no-bias-dropout-fusion": bool,
     "no-bias-swiglu-fusion": bool, "use-mcore-models": bool, "use-legacy-models": bool,
+    "moe-token-dispatcher-type": str, "moe-enable-deepep": bool, "moe-flex-dispatcher-backend": str,
+    "overlap-moe-expert-parallel-comm": bool, "moe-grouped-gemm": bool, "moe-expert-capacity-factor": float,
+    "moe-pad-expert-input-to-capacity": bool,
 }
 #: Arguments that do not change one step's time or memory as hzpsim models it.
 IGNORED = frozenset("""
@@ -382,6 +385,28 @@ def _recompute(draft: Draft, a: _Args, era: str) -> None:
                            "recompute of every layer (the same recompute work, fewer stored inputs)")
 
 
+def _moe_strategy(draft: Draft, a: _Args) -> None:
+    """The MoE layer's settings (docs/moe.md): the token dispatcher (``flex`` with DeepEP or
+    HybridEP is ``deepep``; unset, Megatron-Core's default ``allgather`` comes with the profile),
+    the EP overlap, the grouped GEMM, a capacity factor."""
+    if a.has("moe-token-dispatcher-type"):
+        kind = a.get("moe-token-dispatcher-type")
+        dispatchers = {"alltoall": "alltoall", "allgather": "allgather", "flex": "deepep"}
+        if kind not in dispatchers:
+            raise ScenarioError(f"--moe-token-dispatcher-type {kind}: not one of {', '.join(dispatchers)}")
+        draft.set("strategy.moe_dispatcher", dispatchers[kind])
+    elif a.has("moe-enable-deepep"):
+        draft.set("strategy.moe_dispatcher", "deepep")
+    if a.has("overlap-moe-expert-parallel-comm"):
+        draft.set("strategy.moe_ep_overlap", True)
+    if a.has("moe-grouped-gemm"):
+        draft.set("strategy.moe_grouped_gemm", True)
+    if a.has("moe-expert-capacity-factor"):
+        draft.set("strategy.moe_capacity_factor", a.get("moe-expert-capacity-factor"))
+    if a.has("moe-pad-expert-input-to-capacity"):
+        draft.set("strategy.moe_pad_to_capacity", True)
+
+
 def _strategy(draft: Draft, a: _Args, tp: int, pp: int, cp: int, ep: int, era: str) -> None:
     draft.set("strategy.tp", tp)
     draft.set("strategy.pp", pp)
@@ -404,6 +429,7 @@ def _strategy(draft: Draft, a: _Args, tp: int, pp: int, cp: int, ep: int, era: s
                      ("decoder-last-pipeline-num-layers", "last_stage_layers")):
         if a.has(arg):
             draft.set(f"strategy.{key}", a.get(arg))
+    _moe_strategy(draft, a)
     if a.has("sequence-parallel"):
         draft.set("strategy.sequence_parallel", True)
     if a.has("use-distributed-optimizer"):

@@ -86,9 +86,11 @@ def validate_published(
                 report = run_choice(scenario, scenario.strategies[0], expand=expand)
             fold = profile.for_fold(case.source_id)
             cv_report = None
-            if cross_validate and case.source_id in profile.folds:
+            if cross_validate and profile.folds:
+                # a source the fit did not see (no fold of its own: added after the fit) is
+                # predicted out of sample by the fitted constants themselves
                 cv_report = report
-                if dict(fold.constants) != dict(profile.constants):
+                if case.source_id in profile.folds and dict(fold.constants) != dict(profile.constants):
                     with calibration.using(fold):
                         cv_report = run_choice(scenario, scenario.strategies[0], expand=expand)
         except Exception as exc:  # a simulator bug on a valid scenario: record, keep going

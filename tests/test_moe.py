@@ -196,3 +196,23 @@ def test_sequential_experts_are_never_faster_than_one_grouped_gemm():
     seq = sequential["time_breakdown_s"]["compute.moe_grouped_gemm"]
     assert seq >= gg
     assert grouped["strategy_resolved"]["moe_grouped_gemm"] is True
+
+
+def test_expert_tensor_parallelism_gathers_the_tokens_and_keeps_each_ranks_flops():
+    # etp ranks share an expert's weights: each runs etp x the copies on 1/etp of the weights
+    # (Megatron-Core's gather over the expert-TP group after the all-to-all), so per-rank expert
+    # FLOPs equal the etp = 1 case, and the gather / reduce-scatter appear around the experts
+    def build(etp):
+        sc = mixtral(8, ep=4, etp=etp, pp=2)
+        return nd.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
+
+    plain, split = build(1), build(2)
+
+    def expert_flops(graph):
+        op = next(o for o in graph.ops if o.name.startswith("fwd.experts.") and o.step == 0)
+        return sum(f for _, f in op.flops)
+
+    assert expert_flops(split) == pytest.approx(expert_flops(plain), rel=1e-12)
+    kinds = sorted({o.collective for o in split.ops if o.category == "etp" and o.step == 0})
+    assert kinds == ["all_gather", "reduce_scatter"]
+    assert not any(o.category == "etp" for o in plain.ops)

@@ -27,8 +27,8 @@ Communication per layer and micro-batch (docs/strategies.md §2.7, §2.8):
 - EP: an MoE layer runs its router, permutation, grouped GEMMs and un-permutation as ops of
   their own around the dispatcher's dispatch and combine, forward and backward (``_moe``); the
   exchanges wait for the compute, or with ``moe_ep_overlap`` run beside it.
-- ETP (expert tensor parallelism) divides expert weights and FLOPs; its collectives are not
-  modelled yet.
+- ETP (expert tensor parallelism): the expert-TP group gathers the received tokens before the
+  experts and reduce-scatters after them; each rank runs etp× the copies on 1/etp of the weights.
 """
 
 from __future__ import annotations
@@ -121,6 +121,8 @@ class MPUnit:
     ep_bytes: float = 0.0
     """Bytes of one dispatch or combine exchange as the dispatcher moves them on the busiest
     rank (:func:`_moe.dispatch`); 0 for dense layers or without EP."""
+    etp_bytes: float = 0.0
+    """The expert-TP group's all-gather / reduce-scatter buffer around the experts (``_moe.etp_bytes``)."""
     ep_kinds: tuple[str, str] = ("all_to_all", "all_to_all")
     """Collective kinds of the forward's dispatch and combine (their backwards swap them)."""
     ep_recomputed: bool = False
@@ -384,7 +386,8 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             **_tp_calls("layer", tp_count, deg, mode),
             # norms and row-parallel biases (Megatron marks both ``sequence_parallel``)
             tp_sp_params=(norms + (tp_count * h if model.linear_bias else 0.0)) if t > 1 and deg.sequence_parallel else 0.0,
-            cp_bytes=cp_bytes, ep_bytes=ep_bytes, ep_kinds=ep_kinds, ep_recomputed=mode == "full", moe=moe_work,
+            cp_bytes=cp_bytes, ep_bytes=ep_bytes, ep_kinds=ep_kinds,
+            etp_bytes=_moe.etp_bytes(model, sp_tokens, act, deg) if moe else 0.0, ep_recomputed=mode == "full", moe=moe_work,
             p2p_bytes=p2p_bytes, is_moe=moe,
             tensors=tuple(x if x == h else x / t for x in dense_tensors),
             expert_tensors=tuple(x / deg.etp for x in local_experts_t),
@@ -492,7 +495,7 @@ class UnitEmitter:
 
     def __init__(self, emit: Emitter, deg: ParallelDims, group_of: Callable[[str, int], tuple[str, Ranks]]) -> None:
         self.emit, self.deg = emit, deg
-        sizes = {"tp": deg.tp, "cp": deg.cp, "ep": deg.ep}
+        sizes = {"tp": deg.tp, "cp": deg.cp, "ep": deg.ep, "etp": deg.etp}
         self.instances: dict[str, Instances] = {
             dim: emit.groups_for(lambda lane, dim=dim: group_of(dim, lane), sizes[dim]) for dim in sizes
         }
@@ -572,34 +575,10 @@ class UnitEmitter:
                                 free=None if has_post else free)
         if unit.moe is not None:
             last = self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
-            moe = unit.moe
-            router = emit.compute(f"fwd.router.{label}", "moe_router", moe.router, [last], step)
-            permute = emit.compute(f"fwd.permute.{label}", "moe_permute", moe.permute, [router], step)
-            dispatch_kind, combine_kind = unit.ep_kinds
-            dispatch = self._ep(dispatch_kind, unit, f"ep.dispatch.{label}", "ep_dispatch", [permute], deps, step)
-            experts = emit.compute(f"fwd.experts.{label}", "moe_grouped_gemm", moe.experts,
-                                   [permute if self.deg.moe_ep_overlap else dispatch], step)
-            combine = self._ep(combine_kind, unit, f"ep.combine.{label}", "ep_combine", [experts], [dispatch], step)
-            return emit.compute(f"fwd.unpermute.{label}", "moe_permute", moe.unpermute, [experts, combine], step,
-                                free=free)
+            return _moe.emit_forward(self, unit, label, last, deps, step, free)
         if has_post:
             last = emit.compute(f"fwd.mlp.{label}", "forward", unit.post, [last], step, free=free)
         return self._tp(unit, True, f"fwd.{label}", [last], step, overlap_from=deps) or last
-
-    def _ep(self, kind: str, unit: MPUnit, name: str, category: str, deps: Sequence[Ids | None],
-            hidden_deps: Sequence[Ids | None], step: int) -> Ids | None:
-        """One dispatch or combine exchange of an MoE layer (None without EP), on the compute
-        stream after ``deps``. With ``moe_ep_overlap`` (Megatron-Core's ``combined_1f1b``: one
-        micro-batch's exchanges while another computes) on the ``ep`` stream from
-        ``hidden_deps``, beside the compute: the pass takes max(compute, exchanges) and the
-        compute slows as under any overlapped collective (``comm_overlap_slowdown``). That the
-        first and last micro-batches have no partner to hide behind is not modelled."""
-        if not unit.ep_bytes:
-            return None
-        overlap = self.deg.moe_ep_overlap
-        return self.emit.collective(kind, self.instances["ep"], unit.ep_bytes, name, category,
-                                    "ep" if overlap else "compute", hidden_deps if overlap else deps, step,
-                                    launch=False)
 
     def loss_backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int) -> Ids | None:
         """The loss's backward as an op of its own before ``unit``'s backward (MPUnit.backward_temps):
@@ -618,7 +597,7 @@ class UnitEmitter:
         start = deps
         first_alloc: MemoryDelta | None = alloc
         if unit.moe is not None:
-            start, first_alloc = [self._moe_backward(unit, label, deps, step, alloc)], None
+            start, first_alloc = [_moe.emit_backward(self, unit, label, deps, step, alloc)], None
         if unit.cp_bytes:
             ring = emit.collective("all_gather", self.instances["cp"], unit.cp_bytes, f"cp.bwd.{label}", "cp", "cp",
                                    deps, step, count=2, launch=False)
@@ -633,31 +612,6 @@ class UnitEmitter:
         if unit.cp_bytes:
             last = emit.compute(f"bwd.remote.{label}", "backward", unit.backward_remote, [main, ring], step, free=free)
         return self._tp(unit, False, f"bwd.{label}", [last], step, overlap_from=start) or last
-
-    def _moe_backward(self, unit: MPUnit, label: str, deps: Sequence[Ids | None], step: int,
-                      alloc: MemoryDelta) -> Ids:
-        """The expert half of an MoE layer's backward, in autograd's order: (the full
-        recompute's dispatch and combine again,) the combine's backward exchange, the
-        un-permutation's backward, the experts' data and weight gradients, the dispatch's
-        backward exchange, the permutation's and the router's backward. An all-to-all's
-        backward is an all-to-all; the all-gather dispatcher's gather and reduce-scatter swap."""
-        emit, moe = self.emit, unit.moe
-        assert moe is not None
-        swap = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
-        dispatch_kind, combine_kind = unit.ep_kinds
-        last: Sequence[Ids | None] = deps
-        if unit.ep_recomputed and unit.ep_bytes:
-            redo = self._ep(dispatch_kind, unit, f"ep.dispatch.redo.{label}", "ep_dispatch", last, deps, step)
-            last = [self._ep(combine_kind, unit, f"ep.combine.redo.{label}", "ep_combine", [redo], [redo], step)]
-        combine = self._ep(swap[combine_kind], unit, f"ep.combine.bwd.{label}", "ep_combine", last, last, step)
-        unpermute = emit.compute(f"bwd.unpermute.{label}", "moe_permute", moe.unpermute_backward,
-                                 [*deps, *([] if self.deg.moe_ep_overlap else [combine])], step, alloc=alloc)
-        experts = emit.compute(f"bwd.experts.{label}", "moe_grouped_gemm", moe.experts_backward, [unpermute], step)
-        dispatch = self._ep(swap[dispatch_kind], unit, f"ep.dispatch.bwd.{label}", "ep_dispatch", [experts],
-                            [combine] if combine else deps, step)
-        permute = emit.compute(f"bwd.permute.{label}", "moe_permute", moe.permute_backward, [experts, dispatch], step)
-        return emit.compute(f"bwd.router.{label}", "moe_router", moe.router_backward, [permute], step)
-
 
 class _PassMemory(NamedTuple):
     """What a unit's forward and backward take and return (as Op alloc / free), the same every
@@ -706,7 +660,7 @@ class UnitPass:
                  placement: Placement, experts: Placement, schedule: Schedule, uses: Sequence[Use],
                  sizes: Callable[[int], tuple[int, int, int]], num_micro_batches: int) -> None:
         def group_of(dim: str, rank: int) -> tuple[str, Ranks]:
-            members = (experts if dim == "ep" else placement).group(dim, rank)
+            members = (experts if dim in ("ep", "etp") else placement).group(dim, rank)
             return f"{dim}.{members[0]}", members
 
         self.unit_emit = UnitEmitter(emit, dims, group_of)

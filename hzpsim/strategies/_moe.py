@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from hzpsim.model import Model
 from hzpsim.model.kernels import Gemm
@@ -39,14 +39,18 @@ class MoEWork(NamedTuple):
 def expert_gemms(model: Model, linears: Sequence[tuple[int, int, str]], tokens: float, deg: ParallelDims) -> list[Gemm]:
     """The forward GEMMs of this rank's E/ep experts over the ``tokens``·top_k routed copies of
     its ``tokens``, as many arriving at the busiest rank as its load says
-    (:attr:`ParallelDims.moe_load`), shared equally by its experts, weights split by etp. One
+    (:attr:`ParallelDims.moe_load`), shared equally by its experts, gathered over the expert-TP
+    group and run on weights split by etp. One
     grouped GEMM per linear whose tiles share the waves (Megatron-Core ``TEGroupedMLP`` /
     ``GroupedMLP``, torchtitan ``torch._grouped_mm``), or one GEMM per local expert
     (``SequentialMLP``): small per-expert token counts leave tiles part-empty either way
     (``hardware/compute.py``'s tile and wave quantisation)."""
     assert model.moe is not None
     local_experts = model.moe.num_experts / deg.ep
-    per_expert = tokens * model.moe.top_k * deg.moe_load / local_experts
+    # with expert tensor parallelism the etp ranks sharing an expert's weights all-gather the
+    # tokens they received (Megatron-Core ``MoEAlltoAllTokenDispatcher``: the gather over the
+    # expert-TP group after the all-to-all), so each runs etp× the copies on 1/etp of the weights
+    per_expert = tokens * model.moe.top_k * deg.moe_load * deg.etp / local_experts
     gemms = linear_gemms(linears, per_expert, deg.etp)
     if deg.moe_grouped_gemm:
         return [g._replace(batch=local_experts) for g in gemms]
@@ -80,6 +84,18 @@ def dispatch(model: Model, tokens: float, act: int, deg: ParallelDims) -> tuple[
     if deg.moe_dispatcher == "deepep":
         copies *= node_dedup(model.moe.num_experts, k, deg.ep_nodes)
     return copies, ("all_to_all", "all_to_all")
+
+
+def etp_bytes(model: Model, tokens: float, act: int, deg: ParallelDims) -> float:
+    """The expert-TP group's all-gather (and, before the combine, reduce-scatter) buffer: the
+    routed copies the etp ranks received, gathered whole on each (Megatron-Core
+    ``token_dispatcher.py``: ``gather_from_sequence_parallel_region`` over the expert-TP group
+    after the all-to-all, ``reduce_scatter_to_sequence_parallel_region`` before the combine);
+    0 without expert tensor parallelism or expert parallelism."""
+    if deg.etp == 1 or deg.ep == 1:
+        return 0.0
+    assert model.moe is not None
+    return deg.etp * tokens * model.moe.top_k * model.hidden_size * act * deg.moe_load
 
 
 def send_buffer_bytes(model: Model, tokens: float, act: int, deg: ParallelDims) -> float:
@@ -149,3 +165,79 @@ def moe_work(model: Model, i: int, router: list[Gemm], experts: list[Gemm], toke
             bwd_router = bwd_router + Work.of(linear_gemms(router_redo, tokens, 1))
     return MoEWork(fwd_router, fwd_permute, fwd_experts, fwd_permute, bwd_router, bwd_permute, bwd_experts,
                    bwd_permute + unpermute_redo)
+
+
+# ------------------------------------------------------------------ emitting an MoE layer's ops
+# ``ue`` is the unit's ``_model_parallel.UnitEmitter`` (its ``emit``, ``deg`` and group
+# ``instances``), ``unit`` its ``MPUnit``: the layer's ops as ``UnitEmitter.forward`` and
+# ``backward`` place them.
+
+_SWAP = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
+"""A collective's backward: an all-to-all's is an all-to-all, a gather's a reduce-scatter."""
+
+
+def exchange(ue: Any, kind: str, unit: Any, name: str, category: str, deps: Sequence[Any],
+             hidden_deps: Sequence[Any], step: int) -> Any:
+    """One dispatch or combine exchange of an MoE layer (None without EP), on the compute
+    stream after ``deps``. With ``moe_ep_overlap`` (Megatron-Core's ``combined_1f1b``: one
+    micro-batch's exchanges while another computes) on the ``ep`` stream from ``hidden_deps``,
+    beside the compute: the pass takes max(compute, exchanges) and the compute slows as under
+    any overlapped collective (``comm_overlap_slowdown``). That the first and last micro-batches
+    have no partner to hide behind is not modelled."""
+    if not unit.ep_bytes:
+        return None
+    overlap = ue.deg.moe_ep_overlap
+    return ue.emit.collective(kind, ue.instances["ep"], unit.ep_bytes, name, category,
+                              "ep" if overlap else "compute", hidden_deps if overlap else deps, step, launch=False)
+
+
+def expert_tp(ue: Any, kind: str, unit: Any, name: str, deps: Sequence[Any], step: int) -> Any:
+    """The expert-TP group's gather before the experts or reduce-scatter after them
+    (:func:`etp_bytes`; None without expert tensor parallelism), on the compute stream."""
+    if not unit.etp_bytes:
+        return None
+    return ue.emit.collective(kind, ue.instances["etp"], unit.etp_bytes, name, "etp", "compute", deps, step,
+                              launch=False)
+
+
+def emit_forward(ue: Any, unit: Any, label: str, last: Any, deps: Sequence[Any], step: int, free: Any) -> Any:
+    """After the attention block (``last``) and its TP collective: router, permute, dispatch,
+    (expert-TP gather,) grouped GEMM, (reduce-scatter,) combine, un-permute, which frees what
+    the forward frees."""
+    emit, moe, overlap = ue.emit, unit.moe, ue.deg.moe_ep_overlap
+    router = emit.compute(f"fwd.router.{label}", "moe_router", moe.router, [last], step)
+    permute = emit.compute(f"fwd.permute.{label}", "moe_permute", moe.permute, [router], step)
+    dispatch_kind, combine_kind = unit.ep_kinds
+    dispatch = exchange(ue, dispatch_kind, unit, f"ep.dispatch.{label}", "ep_dispatch", [permute], deps, step)
+    arrived = permute if overlap else dispatch
+    gathered = expert_tp(ue, "all_gather", unit, f"etp.fwd.{label}", [arrived], step)
+    experts = emit.compute(f"fwd.experts.{label}", "moe_grouped_gemm", moe.experts, [gathered or arrived], step)
+    scattered = expert_tp(ue, "reduce_scatter", unit, f"etp.fwd.rs.{label}", [experts], step)
+    combine = exchange(ue, combine_kind, unit, f"ep.combine.{label}", "ep_combine", [scattered or experts],
+                       [dispatch], step)
+    return emit.compute(f"fwd.unpermute.{label}", "moe_permute", moe.unpermute, [experts, combine], step, free=free)
+
+
+def emit_backward(ue: Any, unit: Any, label: str, deps: Sequence[Any], step: int, alloc: Any) -> Any:
+    """The expert half of an MoE layer's backward, in autograd's order: (the full recompute's
+    dispatch and combine again,) the combine's backward exchange, the un-permutation's backward,
+    (the expert-TP reduce-scatter's backward gather,) the experts' data and weight gradients,
+    (the gather's backward reduce-scatter,) the dispatch's backward exchange, the permutation's
+    and the router's backward. ``alloc`` is taken by its first compute op."""
+    emit, moe, overlap = ue.emit, unit.moe, ue.deg.moe_ep_overlap
+    dispatch_kind, combine_kind = unit.ep_kinds
+    last: Sequence[Any] = deps
+    if unit.ep_recomputed and unit.ep_bytes:
+        redo = exchange(ue, dispatch_kind, unit, f"ep.dispatch.redo.{label}", "ep_dispatch", last, deps, step)
+        last = [exchange(ue, combine_kind, unit, f"ep.combine.redo.{label}", "ep_combine", [redo], [redo], step)]
+    combine = exchange(ue, _SWAP[combine_kind], unit, f"ep.combine.bwd.{label}", "ep_combine", last, last, step)
+    unpermute = emit.compute(f"bwd.unpermute.{label}", "moe_permute", moe.unpermute_backward,
+                             [*deps, *([] if overlap else [combine])], step, alloc=alloc)
+    gathered = expert_tp(ue, "all_gather", unit, f"etp.bwd.{label}", [unpermute], step)
+    experts = emit.compute(f"bwd.experts.{label}", "moe_grouped_gemm", moe.experts_backward, [gathered or unpermute],
+                           step)
+    experts = expert_tp(ue, "reduce_scatter", unit, f"etp.bwd.rs.{label}", [experts], step) or experts
+    dispatch = exchange(ue, _SWAP[dispatch_kind], unit, f"ep.dispatch.bwd.{label}", "ep_dispatch", [experts],
+                        [combine] if combine else deps, step)
+    permute = emit.compute(f"bwd.permute.{label}", "moe_permute", moe.permute_backward, [experts, dispatch], step)
+    return emit.compute(f"bwd.router.{label}", "moe_router", moe.router_backward, [permute], step)

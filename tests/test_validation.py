@@ -400,3 +400,20 @@ def test_a_source_the_fit_never_saw_is_cross_validated_by_the_fit_itself(cases):
     rec = df.iloc[0]
     assert rec["status"] == "ok"
     assert rec["cv_err_tokens_pct"] == rec["err_tokens_pct"]
+
+
+def test_every_regime_counts_its_sources():
+    import pandas as pd
+
+    from hzpsim.validation.run import error_summary
+
+    frame = pd.DataFrame({
+        "source_id": ["S11", "S11", "S12", "S21", "S01"],
+        "err_tokens_pct": [10.0, -20.0, 5.0, 30.0, 1.0],
+        "cv_err_tokens_pct": [11.0, -21.0, 5.0, 30.0, 2.0],
+        "regimes": ["Megatron ND, MoE", "Megatron ND, MoE", "Megatron ND, MoE", "Megatron ND, MoE", "Megatron ND"],
+    })
+    summary = error_summary(frame)
+    assert summary["num_sources"] == 4
+    assert summary["by_regime"]["MoE"]["num_sources"] == 3 and summary["by_regime"]["MoE"]["num_rows"] == 4
+    assert summary["by_regime"]["MoE"]["cv_median_abs_error"] == pytest.approx(0.16)  # of 11, 21, 5, 30 %

@@ -200,8 +200,10 @@ def _abs_errors(frame: pd.DataFrame, column: str) -> pd.Series:
 
 def _figures(frame: pd.DataFrame) -> dict[str, Any]:
     inside, cv = _abs_errors(frame, "err_tokens_pct"), _abs_errors(frame, "cv_err_tokens_pct")
+    sources = frame.loc[frame["err_tokens_pct"].notna(), "source_id"] if len(frame) else []
     return {
         "num_rows": int(len(inside)),
+        "num_sources": int(pd.Series(sources).nunique()),
         "in_sample_median_abs_error": float(inside.median()) if len(inside) else None,
         "in_sample_p90_abs_error": float(inside.quantile(0.9)) if len(inside) else None,
         "cv_median_abs_error": float(cv.median()) if len(cv) else None,

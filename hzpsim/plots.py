@@ -190,7 +190,14 @@ def search_landscape(result, ax=None):
     ax.set_xscale("log")
     ax.set_xlabel("peak memory per device (GiB; pruned: lower bound)")
     ax.set_ylabel("tokens/s (pruned: upper bound)")
-    ax.set_title(f"search: {len(frame):,} candidates, {len(sim):,} simulated (hollow: does not fit)", fontsize=10)
+    # simulated as the search counts them (its text and JSON's num_simulated): a candidate built
+    # and rejected for its resident model states, or one whose graph failed, was simulated too,
+    # but has no step time to draw
+    simulated = result.count("simulated", "rejected", "error")
+    undrawn = simulated - len(sim)
+    note = f"; {undrawn:,} of them out of memory or failed, not drawn" if undrawn else ""
+    ax.set_title(f"search: {len(frame):,} candidates, {simulated:,} simulated{note} (hollow: does not fit)",
+                 fontsize=10)
     ax.legend(fontsize=7, frameon=False, loc="lower left")
     ax.grid(alpha=0.3)
     return fig

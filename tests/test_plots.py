@@ -60,6 +60,9 @@ def test_every_figure_draws(simulated, tmp_path):
         "run": plots.run_figure([report], [trace]),
         "run-many": plots.run_figure(reports, []),
     }
+    # the landscape counts simulated candidates as the search's text and JSON do
+    title = figures["landscape"].axes[0].get_title()
+    assert f"{result.to_json()['num_simulated']:,} simulated" in title, title
     for name, fig in figures.items():
         assert fig.axes, name
         assert any(ax.has_data() for ax in fig.axes), name

@@ -352,3 +352,42 @@ def test_bounds_hold_when_pipeline_stages_keep_fsdp_units_unsharded():
     assert all(S.check(scenario, c) is None for c in candidates)
     tight = _check_bounds(scenario, candidates)
     assert len(tight) == len(candidates)
+
+
+MIXTRAL = {
+    "model": "mixtral-8x7b",
+    "training": {"global_batch_size": 512},
+    "cluster": {"preset": "dgx-h100", "num_nodes": 8},
+    "strategy": {"name": "zero", "stage": 3},
+}  # benchmarks/bench_search_moe.py's scenario
+
+
+def _nd_moe(tp, pp, vpp, ep, zero, sp, mb, rc="none"):
+    fields = {"tp": tp, "pp": pp, "vpp": vpp, "cp": 1, "ep": ep, "zero_stage": zero, "sequence_parallel": sp}
+    return S.Candidate("nd", tuple(sorted(fields.items())), mb, rc)
+
+
+def test_moe_memory_bound_holds_the_expert_states():
+    """On Mixtral-8x7B layouts the memory bound holds every resident model state the built
+    graph holds, the experts' included (sharded over their expert-data-parallel group), and stays
+    below the simulated peak; the step-time bound stays below the simulated step."""
+    from hzpsim.search.space import choice_of, plugin_of, training_of
+
+    scenario = small_scenario(MIXTRAL)
+    layouts = [_nd_moe(2, 4, 3, 2, 1, True, 1), _nd_moe(1, 4, 1, 8, 1, False, 1, "full"),
+               _nd_moe(8, 2, 1, 1, 0, True, 1, "selective"), _nd_moe(1, 2, 1, 8, 0, False, 2, "full")]
+    bounder = S.Bounder(scenario)
+    for candidate in layouts:
+        assert S.check(scenario, candidate) is None, candidate.label()
+        b = bounder(candidate)
+        config = choice_of(candidate).config
+        graph = plugin_of("nd").build(config, scenario.model, training_of(scenario, candidate), scenario.topology)
+        states = max(sum(v for k, v in memory.items() if k in ("params", "grads", "optimizer"))
+                     for memory in graph.static_memory.values())
+        assert b.memory_bytes >= states * (1 - 1e-9), (candidate.label(), b.memory_bytes / 2**30, states / 2**30)
+        result = S.evaluate(scenario, candidate)
+        if "report" in result:
+            report = result["report"]
+            assert b.memory_bytes <= report["peak_memory_allocated_bytes"] * (1 + 1e-9), candidate.label()
+            refined = bounder(candidate, refine=True)
+            assert b.step_time_s <= refined.step_time_s <= report["step_time_s"] * (1 + 1e-9), candidate.label()

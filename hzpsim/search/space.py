@@ -112,7 +112,11 @@ class Candidate:
         return {"micro_batch_size": self.micro_batch_size, "activation_recompute": self.activation_recompute}
 
     def label(self) -> str:
-        return f"{strategies.label(self.strategy())} mb={self.micro_batch_size} rc={self.activation_recompute}"
+        # the plugin's label through plugin_of (strategies.label looks the plugin up again, which
+        # scans the entry points: milliseconds, times tens of thousands of candidates in a figure)
+        plugin = plugin_of(self.name)
+        name = plugin.label(self.strategy()) if hasattr(plugin, "label") else self.name
+        return f"{name} mb={self.micro_batch_size} rc={self.activation_recompute}"
 
     def overrides(self) -> list[str]:
         """``--set`` arguments that make ``hzpsim run`` simulate this candidate."""

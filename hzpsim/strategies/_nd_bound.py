@@ -88,6 +88,11 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     dense_dp = lay.dp * cfg.cp
     sizes = nd.sharding_sizes(cfg.zero_stage, dense_dp)
     ps, gs, os_ = sizes
+    # expert parameters shard the same way over their expert-data-parallel group
+    # (hardware.placement.expert_placement: n / (etp · ep · pp) ranks)
+    moe = bounder.model.moe is not None
+    expert_dp = n // (cfg.ep * cfg.etp * p) if moe else 1
+    expert_sizes = nd.sharding_sizes(cfg.zero_stage, expert_dp)
     block = cfg.tp * cfg.cp * lay.dp
     last = _last_action(bounder, p, v, m)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
@@ -110,12 +115,14 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
         # forwards before the first backward (Megatron's warm-up, then one steady forward)
         warmup = min(p - s - 1, m) if v == 1 else min((p - s - 1) * 2 + (v - 1) * p, m * v)
         held = sum(acts[((k // p) % v) * p + s] for k in range(warmup + (1 if m * v > warmup else 0)))
-        memory = max(memory, static_bytes(dense, sizes, training, schedule.implementation) + held)
+        states = static_bytes(dense, sizes, training, schedule.implementation)
+        if expert:
+            states += static_bytes(expert, expert_sizes, training, schedule.implementation)
+        memory = max(memory, states + held)
     max_up = max(opt_up)
     # the norm's straggler: the stages' compute ops since the previous norm (every other group
     # is smaller than the world, so no other rendezvous resets the stretch)
-    moe = bounder.model.moe is not None
-    groups = (cfg.tp, cfg.cp, dense_dp, cfg.ep, n // (cfg.ep * cfg.etp * p) if moe else 1)
+    groups = (cfg.tp, cfg.cp, dense_dp, cfg.ep, expert_dp)
     squares = 0.0
     if max(groups) < n:
         squares = max(m * sum(run_sum("kernels_sq", c * p + s) for c in range(v)) + opt_lo[s] ** 2 for s in range(p))

@@ -1,0 +1,103 @@
+"""Search speed on a mixture of experts: Mixtral-8x7B on 64 H100 (8 DGX H100 nodes), global batch 512.
+
+    python benchmarks/bench_search_moe.py                 # the branch-and-bound search (target <= 60 s)
+    python benchmarks/bench_search_moe.py --plot out.png  # and the time --plot adds (target <= 10 s)
+    python benchmarks/bench_search_moe.py --exhaustive    # also simulate every valid candidate (long)
+    python benchmarks/bench_search_moe.py --workers 1
+
+The default space of ``hzpsim search`` for this scenario: the ND layouts (TP x PP x VPP x EP x
+ZeRO stage x sequence parallelism) and every ZeRO-family member, each with micro-batch {1, 2,
+4} and recompute {none, selective, full}; ``hzpsim search`` on the same scenario is::
+
+    model: mixtral-8x7b
+    training: {global_batch_size: 512}
+    cluster: {preset: dgx-h100, num_nodes: 8}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+
+from hzpsim import search as S
+from hzpsim.scenario import scenario_from_mapping
+
+SCENARIO = {
+    "model": "mixtral-8x7b",
+    "training": {"global_batch_size": 512},
+    "cluster": {"preset": "dgx-h100", "num_nodes": 8},
+    "strategy": {"name": "zero", "stage": 3},  # a stand-in: the search supplies the strategies
+}
+
+
+def cpu_s() -> float:
+    """CPU seconds of this process and its finished worker processes."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def line(name: str, result: S.SearchResult, cpu: float) -> str:
+    data = result.to_json()
+    best = result.best
+    assert best is not None and best.report is not None
+    return (f"{name:<12} wall {result.wall_s:7.1f} s  CPU {cpu:7.1f} s  candidates {data['num_candidates']:,}  "
+            f"invalid {data['num_invalid']:,}  pruned by memory {data['num_pruned_memory']:,}, "
+            f"by bound {data['num_pruned_bound']:,}  simulated {data['num_simulated']:,} "
+            f"(of which rejected for their resident states {result.count('rejected'):,})\n"
+            f"{'':<12} best {best.candidate.label()}: {best.report['step_time_s']:.3f} s/step, "
+            f"{best.report['peak_memory_bytes'] / 2**30:.1f} GiB")
+
+
+def run(scenario, space, workers: int | None, exhaustive: bool = False) -> tuple[S.SearchResult, float]:
+    start = cpu_s()
+    runner = S.make_runner(None, workers)
+    try:
+        result = S.search(scenario, top=5, space=space, runner=runner, progress=sys.stderr.isatty(),
+                          exhaustive=exhaustive)
+    finally:
+        runner.close()  # the workers' CPU time is counted once they have exited
+    return result, cpu_s() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--exhaustive", action="store_true")
+    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--plot", metavar="FILE", help="also draw the search landscape and time it")
+    parser.add_argument("--save", metavar="FILE", help="write the answers (JSON) here")
+    parser.add_argument("--space", action="append", default=[], metavar="KEY=V1,V2", help="restrict the space")
+    args = parser.parse_args()
+    scenario = scenario_from_mapping(SCENARIO)
+    space = S.default_space(scenario)
+    for text in args.space:
+        space = space.replace(text)
+    fast, cpu = run(scenario, space, args.workers)
+    print(line("search", fast, cpu), flush=True)
+    out = {"search": fast.to_json()}
+    if args.plot:
+        from hzpsim import plots
+
+        start = time.perf_counter()
+        plots.save(plots.search_landscape(fast), args.plot)
+        print(f"{'':<12} --plot {time.perf_counter() - start:.1f} s", flush=True)
+    if args.exhaustive:
+        slow, cpu = run(scenario, space, args.workers, exhaustive=True)
+        print(line("exhaustive", slow, cpu), flush=True)
+        out["exhaustive"] = slow.to_json()
+        same = (fast.best is not None and slow.best is not None and fast.best.candidate == slow.best.candidate
+                and all((fast.best_of(f) and fast.best_of(f).candidate) == (slow.best_of(f) and slow.best_of(f).candidate)  # type: ignore[union-attr]
+                        for f in S.FAMILIES)
+                and [r.candidate for r in fast.ranked[:5]] == [r.candidate for r in slow.ranked[:5]])
+        print(f"same best, best per family and top 5: {same}")
+    if args.save:
+        with open(args.save, "w", encoding="utf-8") as handle:
+            json.dump(out, handle, indent=1, sort_keys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

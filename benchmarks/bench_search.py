@@ -41,6 +41,14 @@ def cpu_s() -> float:
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+def same_answer(fast: S.SearchResult, slow: S.SearchResult, top: int) -> bool:
+    """The search and the exhaustive run agree: the same best, best per family and top ``top``."""
+    return (fast.best is not None and slow.best is not None and fast.best.candidate == slow.best.candidate
+            and all((fast.best_of(f) and fast.best_of(f).candidate) == (slow.best_of(f) and slow.best_of(f).candidate)  # type: ignore[union-attr]
+                    for f in S.FAMILIES)
+            and [r.candidate for r in fast.ranked[:top]] == [r.candidate for r in slow.ranked[:top]])
+
+
 def line(name: str, result: S.SearchResult) -> str:
     data = result.to_json()
     best = result.best
@@ -100,11 +108,7 @@ def main() -> int:
             runner.close()
         print(line("exhaustive", slow) + f"\n{'':<12} CPU {cpu_s() - start_cpu:.1f} s", flush=True)
         out["exhaustive"] = slow.to_json()
-        same = (fast.best is not None and slow.best is not None and fast.best.candidate == slow.best.candidate
-                and all((fast.best_of(f) and fast.best_of(f).candidate) == (slow.best_of(f) and slow.best_of(f).candidate)  # type: ignore[union-attr]
-                        for f in S.FAMILIES)
-                and [r.candidate for r in fast.ranked[: args.top]] == [r.candidate for r in slow.ranked[: args.top]])
-        print(f"same best, best per family and top {args.top}: {same}  "
+        print(f"same best, best per family and top {args.top}: {same_answer(fast, slow, args.top)}  "
               f"(exhaustive {time.perf_counter() - start:.0f} s vs search {fast.wall_s:.0f} s)")
     if args.save:
         with open(args.save, "w", encoding="utf-8") as handle:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
+
+from bench_search import cpu_s, same_answer  # the GPT-3 benchmark's (same folder)
 
 from hzpsim import search as S
 from hzpsim.scenario import scenario_from_mapping
@@ -31,13 +32,6 @@ SCENARIO = {
     "cluster": {"preset": "dgx-h100", "num_nodes": 8},
     "strategy": {"name": "zero", "stage": 3},  # a stand-in: the search supplies the strategies
 }
-
-
-def cpu_s() -> float:
-    """CPU seconds of this process and its finished worker processes."""
-    own = resource.getrusage(resource.RUSAGE_SELF)
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def line(name: str, result: S.SearchResult, cpu: float) -> str:
@@ -88,11 +82,7 @@ def main() -> int:
         slow, cpu = run(scenario, space, args.workers, exhaustive=True)
         print(line("exhaustive", slow, cpu), flush=True)
         out["exhaustive"] = slow.to_json()
-        same = (fast.best is not None and slow.best is not None and fast.best.candidate == slow.best.candidate
-                and all((fast.best_of(f) and fast.best_of(f).candidate) == (slow.best_of(f) and slow.best_of(f).candidate)  # type: ignore[union-attr]
-                        for f in S.FAMILIES)
-                and [r.candidate for r in fast.ranked[:5]] == [r.candidate for r in slow.ranked[:5]])
-        print(f"same best, best per family and top 5: {same}")
+        print(f"same best, best per family and top 5: {same_answer(fast, slow, 5)}")
     if args.save:
         with open(args.save, "w", encoding="utf-8") as handle:
             json.dump(out, handle, indent=1, sort_keys=True)

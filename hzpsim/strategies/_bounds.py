@@ -39,6 +39,7 @@ from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._implementations import Implementation
 from hzpsim.strategies._layers import Work
 from hzpsim.strategies._model_parallel import MPUnit, mp_units
+from hzpsim.strategies._moe import BACKWARD_KIND
 from hzpsim.strategies._sharded import NestedSharding, Schedule
 
 
@@ -220,9 +221,8 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
                                       u.moe.unpermute_backward)]
             moe_f, moe_b, moe_sq = sum(parts_f), sum(parts_b), sum(x * x for x in parts_f + parts_b)
             if u.ep_bytes:
-                swap = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
                 forward_kinds = list(u.ep_kinds)
-                backward_kinds = [swap[k] for k in u.ep_kinds] + (forward_kinds if u.ep_recomputed else [])
+                backward_kinds = [BACKWARD_KIND[k] for k in u.ep_kinds] + (forward_kinds if u.ep_recomputed else [])
                 x_f = sum(costs.collective_s(k, u.ep_bytes, ep_ranks) for k in forward_kinds)
                 x_b = sum(costs.collective_s(k, u.ep_bytes, ep_ranks) for k in backward_kinds)
                 for k in forward_kinds + backward_kinds:

@@ -22,6 +22,7 @@ from hzpsim.hardware.placement import expert_placement
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
+from hzpsim.strategies import _implementations
 
 MOE_DISPATCHERS = ("alltoall", "allgather", "deepep")
 """Token dispatchers of an MoE layer (``_model_parallel``)."""
@@ -180,8 +181,6 @@ class ParallelDims:
 def moe_fields(config: Any) -> dict[str, Any]:
     """ParallelDims' MoE settings from a plugin's config: its own, and where it leaves the
     dispatcher unset (``""``) or the grouped GEMM unset (None) the implementation profile's."""
-    from hzpsim.strategies import _implementations
-
     profile = _implementations.get(config.implementation)
     return {"moe_imbalance": config.moe_imbalance, "moe_capacity_factor": config.moe_capacity_factor,
             "moe_pad_to_capacity": config.moe_pad_to_capacity,

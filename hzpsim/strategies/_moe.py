@@ -172,7 +172,7 @@ def moe_work(model: Model, i: int, router: list[Gemm], experts: list[Gemm], toke
 # ``instances``), ``unit`` its ``MPUnit``: the layer's ops as ``UnitEmitter.forward`` and
 # ``backward`` place them.
 
-_SWAP = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
+BACKWARD_KIND = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather", "all_to_all": "all_to_all"}
 """A collective's backward: an all-to-all's is an all-to-all, a gather's a reduce-scatter."""
 
 
@@ -230,14 +230,14 @@ def emit_backward(ue: Any, unit: Any, label: str, deps: Sequence[Any], step: int
     if unit.ep_recomputed and unit.ep_bytes:
         redo = exchange(ue, dispatch_kind, unit, f"ep.dispatch.redo.{label}", "ep_dispatch", last, deps, step)
         last = [exchange(ue, combine_kind, unit, f"ep.combine.redo.{label}", "ep_combine", [redo], [redo], step)]
-    combine = exchange(ue, _SWAP[combine_kind], unit, f"ep.combine.bwd.{label}", "ep_combine", last, last, step)
+    combine = exchange(ue, BACKWARD_KIND[combine_kind], unit, f"ep.combine.bwd.{label}", "ep_combine", last, last, step)
     unpermute = emit.compute(f"bwd.unpermute.{label}", "moe_permute", moe.unpermute_backward,
                              [*deps, *([] if overlap else [combine])], step, alloc=alloc)
     gathered = expert_tp(ue, "all_gather", unit, f"etp.bwd.{label}", [unpermute], step)
     experts = emit.compute(f"bwd.experts.{label}", "moe_grouped_gemm", moe.experts_backward, [gathered or unpermute],
                            step)
     experts = expert_tp(ue, "reduce_scatter", unit, f"etp.bwd.rs.{label}", [experts], step) or experts
-    dispatch = exchange(ue, _SWAP[dispatch_kind], unit, f"ep.dispatch.bwd.{label}", "ep_dispatch", [experts],
+    dispatch = exchange(ue, BACKWARD_KIND[dispatch_kind], unit, f"ep.dispatch.bwd.{label}", "ep_dispatch", [experts],
                         [combine] if combine else deps, step)
     permute = emit.compute(f"bwd.permute.{label}", "moe_permute", moe.permute_backward, [experts, dispatch], step)
     return emit.compute(f"bwd.router.{label}", "moe_router", moe.router_backward, [permute], step)

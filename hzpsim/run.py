@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from hzpsim import strategies
+from hzpsim.calibration import intervals
 from hzpsim.model.goodput import goodput, whole_run
 from hzpsim.model.ops import OpGraph
 from hzpsim.report import build_report
@@ -37,8 +38,20 @@ def report_of(scenario: Scenario, choice: StrategyChoice, graph: OpGraph, traces
     if traces is not None:
         traces.append(trace)
     report = build_report(trace, scenario.model, scenario.training, choice.resolved())
+    report.update(prediction_interval(scenario, report))
     report.update(plan_of(scenario, graph, report))
     return report
+
+
+def prediction_interval(scenario: Scenario, report: dict[str, Any]) -> dict[str, Any]:
+    """The run's 80 % interval from the active profile's held-out errors in its regime
+    (``calibration.intervals``): ``step_time_interval_s``, ``tokens_per_s_interval`` and
+    ``interval_basis`` (each None when the profile records no held-out errors)."""
+    resolved = report["strategy_resolved"]
+    regimes = strategies.regimes(resolved["name"], str(resolved.get("implementation") or ""),
+                                 scenario.model.moe is not None, int(resolved.get("cp") or 1), scenario.model.seq_len)
+    found = intervals.interval(regimes, report["calibrated_device"], report["tokens_per_s"], report["step_time_s"])
+    return found or {"step_time_interval_s": None, "tokens_per_s_interval": None, "interval_basis": None}
 
 
 def plan_of(scenario: Scenario, graph: OpGraph, report: dict[str, Any]) -> dict[str, Any]:

@@ -68,7 +68,12 @@ def test_profile_round_trip_and_bad_files(tmp_path: Path) -> None:
     for text, match in (("not json", "not a calibration profile"), ('{"format": "x"}', "format"),
                         (json.dumps({"format": calibration.FORMAT, "constants": {"nosuch": 1}}), "nosuch"),
                         (json.dumps({"format": calibration.FORMAT, "constants": {"attention_kernel_fraction": -1}}),
-                         "positive")):
+                         "positive"),
+                        (json.dumps({"format": calibration.FORMAT, "constants": {"gemm_sm_efficiency.h100": 5.0}}),
+                         "gemm_sm_efficiency.h100: 5.0 is outside its physical range 0.65-0.92"),
+                        (json.dumps({"format": calibration.FORMAT, "constants": {},
+                                     "folds": {"S1": {"elementwise_hbm_efficiency": 1.41}}}),
+                         "folds.S1.elementwise_hbm_efficiency: 1.41 is outside")):
         path.write_text(text)
         with pytest.raises(ValueError, match=match):
             calibration.load(path)
@@ -112,6 +117,10 @@ def test_calibrate_measured_rejects_bad_files(tmp_path: Path, capsys: pytest.Cap
     assert "--iterations" in capsys.readouterr().err
     assert main(["run", "--profile", str(bad)]) == 2
     assert "--profile" in capsys.readouterr().err
+    fast = tmp_path / "fast.json"  # five times the datasheet's GEMM peak: refused, not simulated
+    fast.write_text(json.dumps({"format": calibration.FORMAT, "constants": {"gemm_sm_efficiency.h100": 5.0}}))
+    assert main(["run", "--profile", str(fast)]) == 2
+    assert "gemm_sm_efficiency.h100: 5.0 is outside its physical range" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -188,3 +197,35 @@ def test_a_command_profile_does_not_outlive_the_command(tmp_path: Path) -> None:
     sc.write_text(yaml.safe_dump(SCENARIOS[0]))
     assert main(["run", str(sc), "--profile", str(path), "--json"]) == 0
     assert calibration.active() is before
+
+
+def _terms(measured_over_anchor: float, shares: dict[str, float], source: str = "S0") -> calibrate.Terms:
+    """A row whose step is all compute (w_compute 1) at the priors, measured
+    ``measured_over_anchor`` times as fast as predicted there."""
+    m = calibrate.Measurement("row", source, {}, 100.0 * measured_over_anchor)
+    return calibrate.Terms(m, calibration.priors(), 100.0, shares, "h100", w_compute=1.0, w_host=0.0)
+
+
+def test_fit_stays_inside_the_declared_ranges_and_says_when_it_hits_one() -> None:
+    """Rows that want memory-bound kernels faster than HBM allows (measured 1.6x the prior's
+    speed on a step that is all memory traffic) get the range's upper end, marked at_bound; a
+    reachable target is fitted exactly and is not at a bound."""
+    high = BY_NAME["elementwise_hbm_efficiency"].high
+    fit = calibrate.fit_constants([_terms(1.6, {"memory": 1.0}), _terms(1.6, {"memory": 1.0}, "S1")],
+                                  calibration.priors())
+    assert fit.constants["elementwise_hbm_efficiency"] == pytest.approx(high, rel=1e-9)
+    report = calibrate.in_range_report(fit.constants)["elementwise_hbm_efficiency"]
+    assert report["inside"] and report["at_bound"]
+    prior = BY_NAME["gemm_sm_efficiency.h100"].prior
+    fit = calibrate.fit_constants([_terms(0.9, {"gemm": 1.0})], calibration.priors())
+    assert fit.constants["gemm_sm_efficiency.h100"] == pytest.approx(0.9 * prior, rel=1e-4)
+    assert not calibrate.in_range_report(fit.constants)["gemm_sm_efficiency.h100"]["at_bound"]
+
+
+def test_shipped_profile_records_the_held_out_errors_intervals_are_drawn_from() -> None:
+    report = calibration.load(calibration.DEFAULT_PATH).report
+    errors = report["cv_log_errors"]
+    assert len(errors) == report["num_rows"]
+    assert {"label", "source", "regimes", "log_error"} <= set(errors[0])
+    assert sum("MoE" in e["regimes"] for e in errors) >= 15
+    assert all(0 < v <= 1.5 for v in report["gemm_fit_over_prior"].values())

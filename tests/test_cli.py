@@ -238,8 +238,13 @@ def test_run_table_for_a_strategies_list(tmp_path, capsys):
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("strategy"))
     assert "step s" in lines[header] and "MFU" in lines[header]
-    rows = [line for line in lines[header + 2 :] if line.strip()]
+    end = lines.index("", header)
+    rows = lines[header + 2 : end]
     assert [row.split()[0] for row in rows] == ["zero(stage=1)", "zero(stage=2)", "zero(stage=3)"]
+    # then one line per strategy: its step time with the 80 % interval and what it stands on
+    intervals = lines[end + 1 : end + 4]
+    assert [line.split()[0] for line in intervals] == ["zero(stage=1)", "zero(stage=2)", "zero(stage=3)"]
+    assert all("80% interval from the held-out errors of" in line for line in intervals)
 
 
 def test_run_default_scenario_with_sets(capsys):

@@ -50,10 +50,10 @@ def run_json(capsys, *argv: str):
 
 
 def assert_prediction(obj: dict, spec: dict[str, str], search: bool = False) -> None:
-    optional = {"training_resolved"} if not search else set()
+    optional = ({"training_resolved"} if not search else set()) | {"distinguishable_from_best"}
     undocumented = set(obj) - set(spec)
     assert not undocumented, f"keys printed but not in docs/contract.md: {undocumented}"
-    missing = set(spec) - set(obj) - optional - ({"training_resolved"} if not search else set())
+    missing = set(spec) - set(obj) - optional
     assert not missing, f"documented keys not printed: {missing}"
     for key, value in obj.items():
         assert type_ok(value, spec[key]), (key, value, spec[key])
@@ -85,6 +85,8 @@ def test_search_json_matches_the_contract(capsys):
         assert type_ok(value, search[key]), (key, value)
     for entry in [data["best"], *data["top"], *(v for v in data["best_per_family"].values() if v)]:
         assert_prediction(entry, prediction, search=True)
+    assert all("distinguishable_from_best" in entry for entry in data["top"])
+    assert data["top"][0]["distinguishable_from_best"] is False  # the best itself
     assert data["num_pruned"] == data["num_pruned_memory"] + data["num_pruned_bound"]
     assert data["num_candidates"] == (data["num_simulated"] + data["num_pruned"] + data["num_invalid"]
                                       + data["num_skipped"])

@@ -39,6 +39,8 @@ def test_predicted_scenario_is_the_executors():
 @pytest.mark.parametrize("argv, key", [
     (["--strategies", "bogus"], "--strategies"),
     (["--seq-len", "0"], "--seq-len"),
+    pytest.param(["--method", "cuda"], "no CUDA device", marks=pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="a GPU is there: cuda runs")),
 ])
 def test_bad_options_exit_2_naming_them(capsys, argv, key):
     from hzpsim.cli import main

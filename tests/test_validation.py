@@ -346,31 +346,27 @@ def test_families_yaml_unknown_key_is_refused(tmp_path):
 
 
 # ------------------------------------------------------------- cross-validated accuracy guard
-# tests/golden/validation_cv.json records, for a fast subset of rows (every scored source and
-# regime, the quickest rows of each), the leave-one-source-out median |error| of the shipped
-# calibration profile. A change that makes it worse fails here; a change that improves it
-# rewrites the record in its own commit: HZPSIM_UPDATE_GOLDENS=1 python -m pytest tests/test_validation.py -k cv
+# tests/golden/validation_cv.json lists a fast subset of rows (every scored source and regime,
+# the quickest rows of each). The test scores the shipped profile on them leave-one-source-out
+# against a FIXED ceiling that catches breakage (a unit slip, a mechanism gone missing); it is
+# not a ratchet: a change is never kept or refused by how it moves these rows.
 CV_RECORD = GOLDEN / "validation_cv.json"
+CV_CEILING = 0.25
 
 
-def test_cross_validated_error_does_not_get_worse():
+def test_cross_validated_error_stays_under_a_fixed_ceiling():
     from hzpsim.validation.run import error_summary
 
     record = json.loads(CV_RECORD.read_text())
     cases = rows_to_scenarios()
     df = validate_published(select_cases(cases, None, None, None, None, record["rows"]))
     figures = error_summary(df[df["status"] == "ok"])
-    if os.environ.get("HZPSIM_UPDATE_GOLDENS"):
-        record["cv_median_abs_error"] = figures["cv_median_abs_error"]
-        record["in_sample_median_abs_error"] = figures["in_sample_median_abs_error"]
-        CV_RECORD.write_text(json.dumps(record, indent=1) + "\n")
     assert figures["num_rows"] == len(record["rows"])
-    assert figures["cv_median_abs_error"] <= record["cv_median_abs_error"] + 0.002, (
-        f"leave-one-source-out median |error| on the CI subset rose from {record['cv_median_abs_error']:.2%} "
-        f"to {figures['cv_median_abs_error']:.2%}")
+    assert figures["cv_median_abs_error"] <= CV_CEILING, (
+        f"leave-one-source-out median |error| on the CI subset is {figures['cv_median_abs_error']:.2%}, "
+        f"above the {CV_CEILING:.0%} breakage ceiling")
 
 
-@pytest.mark.slow
 def test_published_memory_meets_the_fixed_ceilings():
     """The published per-GPU memory rows (hzpsim/data/published_memory.csv) as issue 20 asks:
     at least 20 scored rows from 3 sources, median |error| within 10 % (a fixed ceiling, not a
@@ -390,13 +386,18 @@ def test_published_memory_meets_the_fixed_ceilings():
 
 
 def test_a_source_the_fit_never_saw_is_cross_validated_by_the_fit_itself(cases):
-    # S22 (NeMo Automodel MoE runs) was added after the shipped fit: no fold of its own, so its
-    # rows are out of sample for the fitted constants and count in the cross-validated figures
+    # a source added after a fit (here S22, its fold taken out of the shipped profile) has no
+    # fold of its own: its rows are out of sample for the fitted constants and count in the
+    # cross-validated figures with them
+    import dataclasses
+
     from hzpsim.calibration.profile import active
 
-    assert "S22" not in active().folds and active().folds
+    shipped = active()
+    profile = dataclasses.replace(shipped, folds={k: v for k, v in shipped.folds.items() if k != "S22"})
+    assert "S22" not in profile.folds and profile.folds
     row = next(c for c in cases if c.source_id == "S22" and c.n_gpus == 8 and "Qwen3" in c.label)
-    df = validate_published([row])
+    df = validate_published([row], profile=profile)
     rec = df.iloc[0]
     assert rec["status"] == "ok"
     assert rec["cv_err_tokens_pct"] == rec["err_tokens_pct"]
@@ -417,3 +418,36 @@ def test_every_regime_counts_its_sources():
     assert summary["num_sources"] == 4
     assert summary["by_regime"]["MoE"]["num_sources"] == 3 and summary["by_regime"]["MoE"]["num_rows"] == 4
     assert summary["by_regime"]["MoE"]["cv_median_abs_error"] == pytest.approx(0.16)  # of 11, 21, 5, 30 %
+
+
+def test_interval_coverage_is_the_share_of_rows_inside_their_held_out_interval():
+    import pandas as pd
+
+    from hzpsim.validation.run import error_summary
+
+    frame = pd.DataFrame({
+        "source_id": ["S11", "S12", "S21", "S01"],
+        "err_tokens_pct": [10.0, -20.0, 5.0, 1.0],
+        "cv_err_tokens_pct": [11.0, -21.0, 5.0, 2.0],
+        "regimes": ["Megatron ND, MoE", "Megatron ND, MoE", "Megatron ND, MoE", "Megatron ND"],
+        "cv_in_interval": [True, False, True, None],
+    })
+    summary = error_summary(frame)
+    assert summary["band_coverage_80"] == pytest.approx(2 / 3) and summary["band_num_rows"] == 3
+    assert summary["by_regime"]["MoE"]["band_coverage_80"] == pytest.approx(2 / 3)
+
+
+def test_source_weighted_median_counts_each_source_once():
+    import pandas as pd
+
+    from hzpsim.validation.run import error_summary
+
+    # S09 has four rows at 1 %, S01 and S03 one row each at 20 % and 30 %: row-weighted the
+    # median is 1 %, source-weighted (each source one vote: 1 %, 20 %, 30 %) it is 20 %
+    frame = pd.DataFrame({"source_id": ["S09"] * 4 + ["S01", "S03"],
+                          "err_tokens_pct": [1.0] * 4 + [20.0, 30.0], "cv_err_tokens_pct": [1.0] * 4 + [20.0, -30.0],
+                          "regimes": ["FSDP/ZeRO-3"] * 6})
+    summary = error_summary(frame)
+    assert summary["cv_median_abs_error"] == pytest.approx(0.01)
+    assert summary["cv_median_abs_error_source_weighted"] == pytest.approx(0.20)
+    assert summary["test_split"]["num_rows"] == 1 and summary["test_split"]["sources"] == ["S03", "S08", "S22"]

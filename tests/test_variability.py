@@ -72,18 +72,24 @@ def test_expanded_draws_are_seeded():
 
 
 @pytest.mark.slow
-def test_variability_costs_more_at_scale():
-    """Weak scaling of ZeRO-3 (Llama-2-70B, 2 sequences per GPU) from 128 to 4,096 H100s loses
-    at least 2 points more of per-GPU throughput with the default variability than without:
-    every per-layer gather waits for the slowest of all ranks, and E[max] grows with N."""
-    def per_gpu(nodes: int, cv: str) -> float:
+def test_variability_never_helps_and_costs_where_ranks_wait():
+    """Weak scaling of ZeRO-3 (Llama-2-70B, 2 sequences per GPU) from 128 to 4,096 H100s with
+    the default variability loses no less per-GPU throughput than without, and the 4,096-GPU
+    step is longer with it. Only the rendezvous waits (the slowest member's late arrival)
+    remain: a transfer is no longer stretched (no source shows it), and a late gather that
+    prefetching hides behind compute costs nothing, so the gap is small (0.01 points in
+    this run, 2026-11-26), where the stretched transfers once made it over 2 points."""
+    def run(nodes: int, cv: str) -> dict:
         sc = load_scenario(None, ["model=llama2-70b", f"cluster.num_nodes={nodes}",
                                   f"training.global_batch_size={nodes * 16}", "training.activation_recompute=full",
                                   "strategy.name=zero", "strategy.stage=3", *([f"cluster.variability={cv}"] if cv else [])])
-        return run_choice(sc, sc.strategies[0])["tokens_per_s_per_device"]
+        return run_choice(sc, sc.strategies[0])
 
-    loss = {cv: 1 - per_gpu(512, cv) / per_gpu(16, cv) for cv in ("0", "")}
-    assert loss[""] > loss["0"] + 0.02
+    runs = {(nodes, cv): run(nodes, cv) for nodes in (16, 512) for cv in ("0", "")}
+    per_gpu = {k: r["tokens_per_s_per_device"] for k, r in runs.items()}
+    loss = {cv: 1 - per_gpu[(512, cv)] / per_gpu[(16, cv)] for cv in ("0", "")}
+    assert loss[""] >= loss["0"]
+    assert runs[(512, "")]["step_time_s"] > runs[(512, "0")]["step_time_s"]
 
 
 # -- explicit stragglers (cluster.stragglers) -------------------------------------------------

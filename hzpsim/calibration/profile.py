@@ -58,6 +58,11 @@ class Profile:
     def __getitem__(self, name: str) -> float:
         return self.constants[name]
 
+    def in_range(self) -> bool:
+        """Every constant, and every fold's, inside its declared physical range."""
+        values = [self.constants, *self.folds.values()]
+        return all(BY_NAME[n].low <= v <= BY_NAME[n].high for group in values for n, v in group.items() if n in BY_NAME)
+
     def for_fold(self, source: str) -> Profile:
         """The constants fitted without ``source`` (the full fit if the profile has no such fold)."""
         if source not in self.folds:
@@ -90,6 +95,10 @@ def _values(data: Any, where: str) -> dict[str, float]:
             raise ValueError(f"{where}.{name}: unknown constant (known: {', '.join(sorted(BY_NAME))})")
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{where}.{name}: must be a positive number, got {value!r}")
+        c = BY_NAME[name]
+        if not c.low <= value <= c.high:  # a fit never leaves the range (fitting/published.py)
+            raise ValueError(f"{where}.{name}: {value!r} is outside its physical range {c.low:g}-{c.high:g} "
+                             f"({c.unit}: {c.meaning})")
         out[name] = float(value)
     return out
 

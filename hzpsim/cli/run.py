@@ -58,14 +58,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def format_table(reports: Sequence[dict[str, Any]]) -> str:
     header = (
-        f"{'strategy':<34} {'step s':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
+        f"{'strategy':<40} {'step s':>9} {'tokens/s':>11} {'TFLOP/s/dev':>11} {'MFU':>6} "
         f"{'peak GiB':>9} {'fits':>5} {'exposed s':>9} {'overlap':>7} {'inter-node GB':>13}"
     )
     lines = [header, "-" * len(header)]
     for r in reports:
         overlap = "-" if r["overlap_fraction"] is None else f"{r['overlap_fraction']:.0%}"
         lines.append(
-            f"{strategies.label(r['strategy_resolved']):<34} {r['step_time_s']:>9.3f} {r['tokens_per_s']:>11,.0f} "
+            f"{strategies.label(r['strategy_resolved']):<40} {r['step_time_s']:>9.3f} {r['tokens_per_s']:>11,.0f} "
             f"{r['tflops_per_device']:>11.1f} {r['mfu']:>6.1%} {r['peak_memory_bytes'] / 2**30:>9.1f} "
             f"{'yes' if r['fits_in_memory'] else 'NO':>5} {r['exposed_comm_s']:>9.3f} {overlap:>7} "
             f"{r['comm_bytes_per_device']['inter_node'] / 1e9:>13.1f}"
@@ -91,7 +91,24 @@ def format_whole_run(reports: Sequence[dict[str, Any]]) -> str:
                          + ")")
         if r.get("cost") is not None:
             parts.append(f"cost {r['cost']:,.0f}")
-        lines.append(f"{strategies.label(r['strategy_resolved']):<34} " + "; ".join(parts))
+        lines.append(f"{strategies.label(r['strategy_resolved']):<40} " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def format_intervals(reports: Sequence[dict[str, Any]]) -> str:
+    """One line per strategy: its 80 % prediction interval of the step time and tokens/s
+    (``step_time_interval_s``; "" when the profile records no held-out errors)."""
+    lines = []
+    for r in reports:
+        basis = r.get("interval_basis")
+        if not basis:
+            continue
+        lo, hi = r["step_time_interval_s"]
+        tlo, thi = r["tokens_per_s_interval"]
+        widened = "; widened: no published run calibrates this device" if basis["uncalibrated_device_widening"] else ""
+        lines.append(f"{strategies.label(r['strategy_resolved']):<40} {r['step_time_s']:.3f} s ({lo:.3f}-{hi:.3f}), "
+                     f"{tlo:,.0f}-{thi:,.0f} tokens/s: {basis['coverage']:.0%} interval from the held-out errors of "
+                     f"{basis['num_rows']} published runs ({basis['num_sources']} sources, {basis['regime']}{widened})")
     return "\n".join(lines)
 
 
@@ -158,6 +175,10 @@ def _simulate(args: argparse.Namespace, compare: bool) -> int:
         print(format_summary(scenario))
         print()
         print(format_table(reports))
+        ranges = format_intervals(reports)
+        if ranges:
+            print()
+            print(ranges)
         whole = format_whole_run(reports)
         if whole:
             print(whole)

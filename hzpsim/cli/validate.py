@@ -45,10 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     memory = what.add_parser("memory", help="simulated vs PyTorch-tracked peak allocated memory of the executor's strategies")
     memory.add_argument("--strategies", default="zero,hsdp,nd,asynchzp",
                         help="comma-separated: zero, hsdp, nd, asynchzp (default: all)")
-    memory.add_argument("--method", action="append", choices=("fake", "cpu"), dest="methods",
-                        help="fake (fake tensors, Llama-3-8B shape) and/or cpu (real tensors, reduced shape); "
-                             "repeatable (default: both)")
-    memory.add_argument("--seq-len", type=int, default=2048, help="sequence length of the fake-tensor runs (default 2048)")
+    memory.add_argument("--method", action="append", choices=("fake", "cpu", "cuda"), dest="methods",
+                        help="fake (fake tensors, Llama-3-8B shape), cpu (real tensors, reduced shape) and/or "
+                             "cuda (real tensors on the GPU, Llama-3-8B shape, with the caching allocator's "
+                             "allocated and reserved peaks); repeatable (default: fake and cpu)")
+    memory.add_argument("--seq-len", type=int, default=2048, help="sequence length of the fake-tensor and cuda runs (default 2048)")
     memory.add_argument("--json", action="store_true", help="print the list of rows as JSON")
     memory.set_defaults(handler=_cmd_memory)
 
@@ -150,6 +151,7 @@ def main_published(
     kept = {id(c) for c in select_cases([c for c, _ in memory], families, sources, max_devices)}
     memory_df = published_memory.validate_memory([(c, r) for c, r in memory if id(c) in kept])
     summary = summarize(df)
+    summary["constants_in_range"] = (fit or calibration.active()).in_range()
     summary.update(published_memory.memory_summary(memory_df))
     summary["false_oom_rows"] = published_memory.false_oom_rows([df, memory_df])
     if json:
@@ -224,6 +226,11 @@ def _cmd_memory(args: argparse.Namespace) -> int:
                             f"(known: {', '.join(memory.ENTRIES)})")
     if args.seq_len < 1:
         raise ScenarioError(f"--seq-len: must be >= 1, got {args.seq_len}")
+    if "cuda" in (args.methods or ()):
+        from hzpsim.executor import cuda_available
+
+        if not cuda_available():
+            raise ScenarioError("--method cuda: this PyTorch sees no CUDA device")
     rows = memory.rows(tuple(args.methods or ("fake", "cpu")), names, args.seq_len)
     print(_json.dumps(rows, indent=2, sort_keys=True) if args.json else memory.format_table(rows))
     return 0

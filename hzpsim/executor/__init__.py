@@ -22,6 +22,13 @@ class TorchMissing(ScenarioError):
     """torch is not installed: the executor commands exit 2 with this message."""
 
 
+def cuda_available() -> bool:
+    """Whether this PyTorch sees a CUDA device (torch must be importable)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def require_torch() -> None:
     """Raise :class:`TorchMissing` (a one-line, exit-2 error) when torch cannot be imported."""
     try:

@@ -6,12 +6,19 @@ process group (``torch.testing._internal.distributed.fake_pg``: one process, eve
 a no-op that leaves its output buffer as allocated), runs one warm-up step (step 0: Adam
 creates its moments, FSDP2 its lazy state, the RoPE table cache fills), then step 1 under
 ``torch.distributed._tools.mem_tracker.MemTracker`` (``fsdp2_mem_tracker.FSDPMemTracker`` for
-FSDP2), and returns the tracker's peak and its breakdown. Two methods:
+FSDP2), and returns the tracker's peak and its breakdown. Three methods:
 
 - ``"fake"``: everything under ``torch._subclasses.fake_tensor.FakeTensorMode``: tensors have
   shapes, dtypes and storages of the right size but no data, so a Llama-3-8B-shaped model is
   measured at full size in seconds and megabytes (:func:`llama3_8b`).
 - ``"cpu"``: real CPU tensors, real compute, the same fake process group and tracker.
+- ``"cuda"``: real tensors on the current CUDA device, the same fake process group and tracker;
+  the caching allocator's own peaks of the measured step are returned beside the tracker's
+  (``torch.cuda.max_memory_allocated`` and ``max_memory_reserved`` after
+  ``reset_peak_memory_stats``): allocated is what the tracker counts plus what it cannot see
+  (cuBLAS workspaces, kernels' own scratch), reserved adds the allocator's cached, fragmented
+  segments (``CUDACachingAllocator.cpp``: blocks are rounded to 512 bytes, small requests
+  share 2 MiB segments, large ones 20 MiB or their rounded size).
 
 :func:`crosscheck` runs both on one spec and returns their relative difference (the tests
 require < 1 % at a small shape for every strategy). Try it::
@@ -62,6 +69,7 @@ Caveats (each also returned in ``notes``):
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -73,7 +81,7 @@ from hzpsim.executor import model as tmodel
 from hzpsim.executor.spec import MEMORY_ENTRIES, Layout, RunSpec, _layout_of
 from hzpsim.model import Model
 
-METHODS = ("fake", "cpu")
+METHODS = ("fake", "cpu", "cuda")
 MEASURED_STEP = 1
 """The measured step: step 0 is the warm-up (Adam's moments exist only after a first step)."""
 
@@ -328,16 +336,22 @@ def measure(spec: RunSpec, method: str) -> dict[str, Any]:
     the peak; :data:`CATEGORIES`), ``by_tracker_category`` (the tracker's own names),
     ``by_module`` (peak during each module's forward / backward), ``phase_peaks`` (highest
     total in forward, backward and the optimizer step), ``resident_bytes`` (tracked
-    bytes when the measured step starts), ``method``, ``measured_step``, ``seconds`` and
+    bytes when the measured step starts), ``cuda_allocator`` (method ``cuda``: the caching
+    allocator's resident, peak allocated and peak reserved bytes of the measured step; empty
+    otherwise), ``method``, ``measured_step``, ``seconds`` and
     ``notes``."""
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {', '.join(METHODS)}")
     if spec.strategy == "reference":
         raise ValueError("memtrack: measures the distributed strategies (reference has no rank 0 of N)")
     spec.validate()
+    # an earlier measurement's trainer lives on in reference cycles (modules <-> FSDP2's hooks)
+    # until the cycle collector runs; on CUDA its tensors would count in this run's allocator
+    # figures (seen on an H100: docs/gpu-measurements.md)
+    gc.collect()
     start = time.perf_counter()
     _fake_process_group(spec.world_size)
-    device = torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if method == "cuda" else torch.device("cpu")
     tmodel._ROPE_CACHE.clear()  # a cached table must belong to this run's tensor mode
     if method == "fake":
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -358,11 +372,20 @@ def measure(spec: RunSpec, method: str) -> dict[str, Any]:
             warm = time.perf_counter()
             tracker = _tracker(spec, trainer)
             phases = _record_phase_peaks(tracker)
+            allocator: dict[str, int] = {}
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                allocator["resident_allocated_bytes"] = int(torch.cuda.memory_allocated(device))
             with tracker:
                 resident = _sum_devices(tracker.get_tracker_snapshot("current")).get("Total", 0)
                 trainer.step(MEASURED_STEP)
                 if finish is not None:
                     finish()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                allocator["max_allocated_bytes"] = int(torch.cuda.max_memory_allocated(device))
+                allocator["max_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
             peak_snapshot = _sum_devices(tracker.get_tracker_snapshot("peak"))
             by_module = _by_module(tracker)
             states = dict(getattr(trainer, "states", {}))
@@ -394,6 +417,7 @@ def measure(spec: RunSpec, method: str) -> dict[str, Any]:
         "phase_peaks": phases,
         "resident_bytes": int(resident),
         "model_state_bytes": states,
+        "cuda_allocator": allocator,
         "method": method,
         "strategy": spec.strategy,
         "label": spec.label,

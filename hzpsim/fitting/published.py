@@ -24,8 +24,11 @@ minutes), so the fit works on **cached per-row cost terms**, re-anchored by simu
 2. The surrogate step time at constants θ is
        ln T(θ)/T0 = w_c · ln Σ_k s_k · θa_k/θ_k,
    exact to first order at θa. The constants minimise Σ_rows (ln pred/meas)² (Gauss-Newton
-   with Levenberg damping on ln θ; no bounds: a constant that leaves its plausible range is
-   reported, not clamped).
+   with Levenberg damping on ln θ) **inside their declared physical ranges**
+   (``calibration.constants``: each step is projected onto [ln low, ln high]); a constant the
+   data push against a bound stays there and the report says so (``ranges[...].at_bound``):
+   the rows want something the mechanism cannot give, which is a modelling question, not a
+   number to fit.
 3. Re-anchor at the fit and repeat (``iterations``), so the linearisation error shrinks.
 
 Leave-one-source-out: for each source S, the same fit on the rows of every other source gives
@@ -190,8 +193,9 @@ class Fit:
 
 
 def fit_constants(terms: Sequence[Terms], start: dict[str, float], iterations: int = 60) -> Fit:
-    """Least squares on ln error over ``terms`` (Gauss-Newton with Levenberg damping in ln θ).
-    Constants no row is sensitive to keep their ``start`` value."""
+    """Least squares on ln error over ``terms`` (Gauss-Newton with Levenberg damping in ln θ),
+    each constant kept inside its declared range (projected steps). Constants no row is
+    sensitive to keep their ``start`` value."""
     sensitive: set[str] = set().union(*(t.sensitive_to() for t in terms)) if terms else set()
     free = [c.name for c in CONSTANTS if c.name in sensitive]
     theta = dict(start)
@@ -202,7 +206,10 @@ def fit_constants(terms: Sequence[Terms], start: dict[str, float], iterations: i
         th = {**theta, **{n: float(math.exp(v)) for n, v in zip(free, x, strict=True)}}
         return np.array([t.log_error(th) for t in terms])
 
-    x = np.array([math.log(theta[n]) for n in free])
+    bounds = {c.name: (c.low, c.high) for c in CONSTANTS}
+    low = np.array([math.log(bounds[n][0]) for n in free])
+    high = np.array([math.log(bounds[n][1]) for n in free])
+    x = np.clip(np.array([math.log(theta[n]) for n in free]), low, high)
     r = residuals(x)
     damping = 1e-3
     for _ in range(iterations):
@@ -215,6 +222,7 @@ def fit_constants(terms: Sequence[Terms], start: dict[str, float], iterations: i
         improved = False
         for _ in range(20):
             step = np.linalg.solve(jtj + damping * np.diag(np.diag(jtj) + 1e-12), -jtr)
+            step = np.clip(x + step, low, high) - x  # projected onto the declared ranges
             r_new = residuals(x + step)
             if r_new @ r_new < r @ r:
                 x, r, damping, improved = x + step, r_new, damping / 3, True
@@ -242,7 +250,8 @@ def fit_profile(terms: Sequence[Terms], priors: dict[str, float]) -> tuple[dict[
 def in_range_report(constants: dict[str, float]) -> dict[str, dict[str, Any]]:
     """Each constant's value beside its declared plausible range."""
     return {c.name: {"value": constants[c.name], "prior": c.prior, "low": c.low, "high": c.high,
-                     "unit": c.unit, "inside": c.low <= constants[c.name] <= c.high}
+                     "unit": c.unit, "inside": c.low * (1 - 1e-9) <= constants[c.name] <= c.high * (1 + 1e-9),
+                     "at_bound": min(abs(constants[c.name] / c.low - 1), abs(constants[c.name] / c.high - 1)) < 1e-6}
             for c in CONSTANTS}
 
 
@@ -265,6 +274,14 @@ def calibrate(measurements: Sequence[Measurement], start: Profile, iterations: i
         theta = {**full, **folds.get(t.measurement.source, {})}
         surrogate_cv.append(abs(math.expm1(t.log_error(theta))))
     in_sample = [abs(math.expm1(t.log_error(full))) for t in terms]
+    # each row's held-out error, ln(predicted / measured) with its fold's constants: what the
+    # prediction intervals of ``hzpsim run`` are drawn from (``calibration.intervals``)
+    cv_log_errors = [{"label": t.measurement.label, "source": t.measurement.source,
+                      "regimes": list(t.measurement.regimes),
+                      "log_error": round(t.log_error({**full, **folds.get(t.measurement.source, {})}), 5)}
+                     for t in terms]
+    gemm_fit_over_prior = {c.name: full[c.name] / c.prior for c in CONSTANTS
+                           if c.name.startswith("gemm_sm_efficiency.") and c.name in full}
     report = {
         "num_rows": len(terms),
         "sources": sorted({t.measurement.source for t in terms}),
@@ -274,6 +291,8 @@ def calibrate(measurements: Sequence[Measurement], start: Profile, iterations: i
         "surrogate_cv_p90_abs_error": float(np.percentile(surrogate_cv, 90)) if surrogate_cv else None,
         "ranges": in_range_report(full),
         "host_bound_rows": {t.measurement.label: round(t.w_host, 3) for t in terms if t.w_host > 0.05},
+        "cv_log_errors": cv_log_errors,
+        "gemm_fit_over_prior": gemm_fit_over_prior,
         "method": "least squares on ln(predicted/measured tokens/s per device) over cached per-row "
                   "cost terms (hzpsim.fitting.published), re-anchored by simulation",
     }

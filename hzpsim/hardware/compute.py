@@ -12,7 +12,8 @@ move through HBM, and a fixed host-side duration. Its time is the sum of
   cuBLAS's heuristics, the fastest tiling and split-K factor is taken; never faster than
   moving its operands through HBM. Devices without an SM count keep one large-GEMM rate.
 * **attention** — the kernel family's measured speed for the head dimension (the device file's ``efficiency.attention_rates``,
-  FlashAttention-2/-3 papers), reduced at short sequences, × ``attention_kernel_fraction``;
+  FlashAttention-2/-3 papers), reduced at short sequences and by the causal mask's diagonal
+  tiles, on the kernel's own FLOP count (the backward's 2.5x), × ``attention_kernel_fraction``;
 * **memory-bound kernels** — bytes / (HBM bandwidth × ``elementwise_hbm_efficiency``).
 
 Ops without shapes (FLOP totals only) run at the class's large-kernel rate. The fitted
@@ -87,6 +88,12 @@ ATTENTION_BACKWARD_RATIO = 0.63 / 0.73
 #: Sequence length (keys) at which a flash kernel runs at half its long-sequence speed: FA2 on
 #: H100, head dim 128, reaches 309 of 370 TFLOP/s at 512 keys (FA3 paper Fig. 5), s/(s + 100).
 ATTENTION_HALF_SPEED_KEYS = 100.0
+#: A causal kernel's speed (on the halved FLOP count) over the same kernel without the mask, as
+#: s/(s + this): the diagonal tiles run whole and masked, and query blocks carry unequal work.
+#: Measured on an H100 (torch 2.11 SDPA, FlashAttention-2 and cuDNN backends, head dim 128,
+#: 2,048-16,384 tokens): the ratio is 0.76-0.99; each point solved for this constant gives
+#: 180-1,040 keys, median 616 (docs/gpu-measurements.md, benchmarks/gpu_probe.py).
+CAUSAL_EXTRA_KEYS = 616.0
 #: The family ``attention_kernel: auto`` means: FlashAttention-2, what PyTorch SDPA and most
 #: stacks ran on A100 and H100 [SEC: PyTorch SDPA backend priority, flash first].
 DEFAULT_ATTENTION_KERNEL = "flash2"
@@ -162,8 +169,10 @@ class ComputeModel:
             if a.backward:
                 fraction *= ATTENTION_BACKWARD_RATIO
             fraction *= a.seq_kv / (a.seq_kv + ATTENTION_HALF_SPEED_KEYS)
+            if a.causal:
+                fraction *= a.seq_kv / (a.seq_kv + CAUSAL_EXTRA_KEYS)
             rate = self._attention_peak * fraction * self.efficiency.attention_fraction * self.device.sustained_clock_fraction
-        return a.flops / rate
+        return a.kernel_flops / rate
 
     def shapes_s(self, shapes: tuple[Shape, ...]) -> float:
         seconds = self._shapes_s.get(shapes)

@@ -66,7 +66,10 @@ _COUNT_FIELDS = ("num_nodes", "gpus_per_node", "islands_per_node", "nodes_per_le
 #: Default coefficient of variation of a rank's time between synchronisations. MegaScale
 #: (Jiang et al., NSDI'24, Fig. 7) shows per-rank compute latency of one step spanning about
 #: 2.0-2.5 s over 12,288 GPUs; for normal draws that range is ~7.8 sigma, so sigma/mean =
-#: (0.5 / 2.25) / 7.8 = 0.028. Plausible range 0.005-0.05; the calibration fits it.
+#: (0.5 / 2.25) / 7.8 = 0.028. Plausible range 0.005-0.05. Derived from that figure, NOT
+#: fitted (``hzpsim calibrate`` fits only calibration/constants.py); the source describes
+#: persistently slow machines, which independent per-step draws do not model
+#: (docs/validation.md, "Hand-set constants").
 DEFAULT_VARIABILITY = 0.028
 _RATE_FIELDS = ("intra_node_bytes_per_s", "inter_island_bytes_per_s", "inter_node_bytes_per_s_per_device")
 _EFFICIENCY_FIELDS = ("intra_node_efficiency", "inter_island_efficiency", "inter_node_efficiency")

@@ -18,9 +18,9 @@ ZeRO-3's per-layer all-gathers over all N ranks, W at the next is one layer), wh
 groups in between (an island's all-gathers, TP all-reduces) leave many short stretches whose
 noise mostly averages out by the next large synchronisation — which is why hierarchical
 groups (AsyncHZP, HSDP) wait for fewer stragglers than one flat group. Send/recv pairs are not charged: a
-pipeline stage already waits for its neighbour's data. The collective's own time stretches the same way: every step of a
-ring waits for the slowest of the group's transfers, so latency and transfer take
-``1 + cv · E[max]`` as long. ``cv = 0`` gives exactly the deterministic model.
+pipeline stage already waits for its neighbour's data. The collective's own transfer is not
+stretched (no source shows per-transfer noise; MegaScale's spread is of per-rank compute).
+``cv = 0`` gives exactly the deterministic model.
 """
 
 from __future__ import annotations
@@ -98,11 +98,3 @@ class Stragglers:
             return self.cv * max(0.0, max(float(z) * w for z, w in zip(draws, work)))
         return self.cv * max(work) * expected_max_excess(group_size)
 
-    def stretch(self, num_participants: int, group_size: int, sampled: bool) -> float:
-        """Factor on a collective's own time: each step of a ring (or tree level) waits for the
-        slowest of the group's transfers, so latency and transfer take ``1 + cv · E[max]``."""
-        if self.cv <= 0 or group_size <= 1:
-            return 1.0
-        if sampled:
-            return 1.0 + self.cv * max(0.0, float(self.rng.standard_normal(num_participants).max()))
-        return 1.0 + self.cv * expected_max_excess(group_size)

@@ -43,9 +43,11 @@ class Attention(NamedTuple):
     of length ``seq_q`` over ``seq_kv`` keys, head dimensions ``head_dim`` (Q·K) and
     ``v_head_dim`` (P·V); ``causal`` halves the work; ``kernel`` is the kernel family
     (``training.attention_kernel``: flash2, flash3, cudnn, triton, or auto = the device's usual
-    one); ``backward`` marks the gradient kernel
-    (2.5× the forward's work in a flash kernel: counted here as 2×, the recomputed scores are
-    the kernel's own overhead and show in its efficiency)."""
+    one); ``backward`` marks the gradient kernel. ``flops`` is the model's count (the backward
+    twice the forward); ``kernel_flops`` what a flash kernel executes (the backward recomputes
+    the scores: 5 matrix products to the forward's 2, 2.5x), the convention its published
+    speeds are on (FlashAttention-2 paper, Dao 2023, §4.1: "the backward pass ... 2.5x the
+    forward FLOPs")."""
 
     heads: float
     seq_q: float
@@ -64,6 +66,19 @@ class Attention(NamedTuple):
         if self.causal:
             flops /= 2
         return 2 * flops if self.backward else flops
+
+    @property
+    def kernel_flops(self) -> float:
+        """FLOPs the fused kernel executes: the backward's recomputed scores included."""
+        return self.flops * (BACKWARD_KERNEL_WORK / 2 if self.backward else 1.0)
+
+
+BACKWARD_KERNEL_WORK = 2.5
+"""A flash-attention backward's matrix products over its forward's (dQ, dK, dV, dP and the
+recomputed S = QK^T against the forward's S and O: 5 to 2; FlashAttention-2 paper §4.1). Its
+measured time ratio on an H100 (torch 2.11 SDPA, flash and cuDNN backends, head dim 128, 2k-16k
+tokens, causal or not) is 2.47-3.37, median 2.97 (docs/gpu-measurements.md); 2.5 over the
+kernel's backward-to-forward speed 0.863 gives 2.90."""
 
 
 Shape = Gemm | Attention

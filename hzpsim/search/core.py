@@ -85,7 +85,8 @@ class SearchResult:
             "best": best.report if best else None,
             "best_per_family": {f: (r.report if (r := self.best_of(f)) else None) for f in self.families},
             "infeasible": {f: self.why_infeasible(f) for f in self.families if self.best_of(f) is None},
-            "top": [r.report for r in self.ranked[: self.top_n]],
+            "top": [{**(r.report or {}), "distinguishable_from_best": distinguishable(r, best)}
+                    for r in self.ranked[: self.top_n]],
             "num_candidates": len(self.rows),
             "num_simulated": self.count("simulated", "rejected", "error"),
             "num_pruned": self.count("pruned_memory", "pruned_bound"),
@@ -96,6 +97,19 @@ class SearchResult:
             "exact": self.exact,
             "wall_s": self.wall_s,
         }
+
+
+def distinguishable(row: Row, best: Row | None) -> bool | None:
+    """Whether ``row`` is slower than ``best`` beyond the prediction intervals: its step's
+    interval lies wholly above the best's (``step_time_interval_s``, 80 %). False when they
+    overlap (the model cannot tell them apart), None without intervals; the best itself is
+    False."""
+    if best is None or row.report is None or best.report is None:
+        return None
+    mine, theirs = row.report.get("step_time_interval_s"), best.report.get("step_time_interval_s")
+    if not mine or not theirs:
+        return None
+    return bool(mine[0] > theirs[1])
 
 
 def _rank(row: Row) -> tuple[float, str]:

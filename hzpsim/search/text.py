@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from hzpsim import strategies
 from hzpsim.config import ScenarioError
 from hzpsim.report import format_summary
-from hzpsim.search.core import Row, SearchResult
+from hzpsim.search.core import Row, SearchResult, distinguishable
 from hzpsim.search.space import families
 
 
@@ -92,6 +92,8 @@ def _row_line(tag: str, row: Row, best: Row | None) -> str:
     assert r is not None
     layout = f"{strategies.label(r['strategy_resolved'])} mb{row.candidate.micro_batch_size} {row.candidate.activation_recompute}"
     why = "best" if row is best else (loss_reason(row, best) if best else "")
+    if row is not best and distinguishable(row, best) is False:
+        why += " (within the best's 80 % interval: not distinguishable)"
     return (f"  {tag:<14} {layout:<46} {_seconds(r['step_time_s']):>8} {r['tokens_per_s']:>11,.0f} {r['mfu']:>6.1%} "
             f"{r['peak_memory_bytes'] / 2**30:>9.1f}  {why}")
 

@@ -336,12 +336,10 @@ class Engine:
         plan, size, sampled = cached
         late_s = 0.0
         if size:
-            # the slowest member arrives late and every ring step waits for the slowest transfer
-            # (hardware/variability.py): the collective completes later, and the group's next device
-            # compute cannot start before its slowest member arrived
+            # the slowest member arrives late (hardware/variability.py): the collective starts
+            # later, and the group's next device compute cannot start before it arrived. The
+            # transfer itself is not stretched: no source shows per-transfer noise at this scale
             late_s = self.stragglers.delay_s(op.ranks, size, sampled)
-            if sampled:
-                plan = plan.stretched(self.stragglers.stretch(len(op.ranks), size, sampled))
         self.plans[op.id] = plan
         wait_s = plan.latency_s
         if late_s > 0:
@@ -363,8 +361,7 @@ class Engine:
     def _plan(self, op: Op) -> tuple[CollectivePlan, int, bool]:
         """The plan of a collective like ``op`` (same group, kind, size, count and participants),
         the group size whose slowest member it waits for (0: no variability) and whether that
-        wait is sampled (every member simulated on its own) rather than its expectation. Only
-        a sampled plan still needs its draw of the stretch."""
+        wait is sampled (every member simulated on its own) rather than its expectation."""
         assert op.group is not None and op.collective is not None
         pair_level = None
         if op.collective == "send_recv":
@@ -380,8 +377,6 @@ class Engine:
             return plan, 0, False
         size = self.spans[op.group].num_ranks
         sampled = len(op.ranks) == size and all(self.graph.weights[r] == 1 for r in op.ranks)
-        if not sampled:
-            plan = plan.stretched(self.stragglers.stretch(len(op.ranks), size, sampled))
         return plan, size, sampled
 
     def _transfer(self, op: Op, plan: CollectivePlan) -> None:

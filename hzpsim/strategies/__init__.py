@@ -181,6 +181,28 @@ def declared(name: str, attribute: str, default: Any = None) -> Any:
     return default if plugin is None else getattr(plugin, attribute, default)
 
 
+LONG_CONTEXT_TOKENS = 16384
+"""Sequences from this length on are the ``long context`` regime."""
+
+
+def regimes(name: str, implementation: str, moe: bool, cp: int, seq_len: int) -> tuple[str, ...]:
+    """The validation regimes a run of strategy ``name`` falls in: the plugin's family regime
+    for its implementation profile (``VALIDATION_REGIMES``, first matching prefix), ``MoE``
+    for routed experts, ``long context`` with context parallelism or long sequences. Shared by
+    ``validate published`` (which scores by regime) and the prediction interval of a run
+    (drawn from the held-out errors of the same regime, ``calibration.intervals``)."""
+    out: list[str] = []
+    for prefix, regime in declared(name, "VALIDATION_REGIMES", {}).items():
+        if implementation.startswith(prefix):
+            out.append(regime)
+            break
+    if moe:
+        out.append("MoE")
+    if cp > 1 or seq_len >= LONG_CONTEXT_TOKENS:
+        out.append("long context")
+    return tuple(out)
+
+
 def ordered() -> list[str]:
     """Every strategy's name, by ``ORDER`` then by name."""
     modules = plugins()

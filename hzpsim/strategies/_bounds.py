@@ -78,9 +78,8 @@ class Costs:
     work (it times an op by its shapes, and a shape's time is linear in its calls, so the
     units' parts add up to the simulator's merged ops). Without shapes, the FLOP totals at the
     large-GEMM rate, which no shape beats, and attention FLOPs at the device's dense peak,
-    which no kernel exceeds. Collectives: NCCL's isolated time (``CollectiveModel.plan``),
-    stretched, when ``variability`` is credited, by the ``1 + cv · E[max]`` every ring step of
-    the symmetric simulation takes (``hardware/variability.py``)."""
+    which no kernel exceeds. Collectives: NCCL's isolated time (``CollectiveModel.plan``);
+    with ``variability`` credited, a rendezvous also starts late (``late``)."""
 
     def __init__(self, topology: Topology, precision: str, variability: bool) -> None:
         self.topology = topology
@@ -115,10 +114,6 @@ class Costs:
             self._work[key] = seconds
         return seconds
 
-    def stretch(self, group_size: int) -> float:
-        """Factor on a collective's time over ``group_size`` ranks (waiting for the slowest step)."""
-        return 1.0 + self.late(group_size)
-
     def late(self, group_size: int) -> float:
         """A rendezvous of ``group_size`` ranks starts this many seconds late per second of device
         work its ranks did since their previous rendezvous (the symmetric run's expectation)."""
@@ -127,7 +122,7 @@ class Costs:
     def collective_s(self, kind: str, size: float, ranks: Sequence[int], count: int = 1) -> float:
         if not count or size <= 0 or len(ranks) < 2:
             return 0.0
-        return self.collectives.plan(kind, size, self._span(ranks)).isolated_time_s * count * self.stretch(len(ranks))
+        return self.collectives.plan(kind, size, self._span(ranks)).isolated_time_s * count
 
     def send_s(self, size: float, src: int, dst: int) -> float:
         """A point-to-point send (never stretched: a stage already waits for its neighbour)."""
@@ -145,10 +140,10 @@ class Costs:
 
     def add_demand(self, demand: dict[str, float], kind: str, size: float, ranks: Sequence[int],
                    count: float = 1) -> None:
-        """Add the bytes a collective puts on each of a rank's links (per level), stretched."""
+        """Add the bytes a collective puts on each of a rank's links (per level)."""
         if not count or size <= 0 or len(ranks) < 2:
             return
-        factor = count * self.stretch(len(ranks))
+        factor = count
         for level, b in self.collectives.plan(kind, size, self._span(ranks)).demand_by_level.items():
             demand[level] = demand.get(level, 0.0) + b * factor
 
@@ -327,7 +322,7 @@ def group_spans(costs: Costs, sizes: tuple[int, int, int], dp_group: Sequence[in
 @dataclass(frozen=True)
 class DPUnit:
     """Least seconds of one unit's data-parallel collectives (``_sharded.ShardedParams``), in
-    the calls its implementation issues, stretched for stragglers."""
+    the calls its implementation issues."""
 
     gather_fwd: float = 0.0  # the forward's all-gather (ag stream), every micro-batch
     gather_bwd: float = 0.0  # the backward's (re-)gather
@@ -442,8 +437,8 @@ class BoundCache:
       wait for, the reductions the gradient norm waits for, the optimizer) falls after its
       previous optimizer. Kernels run at most at the compute model's best-case rates
       (communication only slows them: ``comm_overlap_slowdown``), a collective takes at least
-      NCCL's isolated time (links are shared, never faster), stretched by the expected slowest
-      ring step and, on the compute stream, started late by the expected slowest member.
+      NCCL's isolated time (links are shared, never faster) and, on the compute stream, starts
+      late by the expected slowest member.
       Two bounds follow, and the larger is taken:
 
       * the chain: a replay of the step's dependencies at those least durations — the

@@ -42,8 +42,11 @@ COLLECTIVE_CALL_2021_S = 45e-6
 #: Host time per rank of the group for a list-form collective: one tensor view built in Python
 #: and one device copy launched per rank (ProcessGroupNCCL copies each of the N chunks back
 #: after a list-form all_gather; reduce_scatter copies N chunks in). DeepSpeed #1069 (2021)
-#: measured ~380 us of pre-launch + launch per per-parameter gather at N = 8. Plausible range
-#: 3-40 us; the calibration fits it.
+#: measured ~380 us of pre-launch + launch per per-parameter gather at N = 8, which, less the
+#: 45 us call itself, would be (380 - 45) / 8 = 42 us per rank if it all scaled with N. The
+#: value here is HAND-SET inside the plausible range 3-40 us, not fitted (``hzpsim calibrate``
+#: fits only calibration/constants.py) and not derived from that citation; DeepSpeed-2021's
+#: predictions move strongly with it (docs/validation.md, "Hand-set constants").
 LIST_FORM_PER_RANK_S = 8e-6
 FP32_BYTES = 4.0
 

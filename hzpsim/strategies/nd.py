@@ -74,6 +74,14 @@ def check(config: Config, model: Model, training: Training, topology: Topology) 
     layout(config, model, training, topology)
 
 
+def resolve(config: Config, topology: Topology) -> Config:
+    """The config as simulated: the data-parallel degree filled in (devices / (tp · pp · cp)
+    when unset), so ``strategy_resolved`` names every degree."""
+    if config.dp is not None or topology.num_devices % (config.tp * config.pp * config.cp):
+        return config
+    return replace(config, dp=topology.num_devices // (config.tp * config.pp * config.cp))
+
+
 # ---------------------------------------------------------------------------- hzpsim search
 
 SEARCH_RANK = 10

@@ -4,7 +4,8 @@ tracker on the executor's strategies (:mod:`hzpsim.executor.memtrack`).
 For each strategy the executor runs (``zero`` stage 3, ``hsdp``, ``nd`` TP x PP, ``asynchzp``),
 one row: rank 0's peak allocated bytes measured by ``MemTracker`` / ``FSDPMemTracker`` during
 one training step (method ``fake``: fake tensors at the Llama-3-8B shape; ``cpu``: real tensors
-at a reduced shape), and the simulator's prediction for the same rank of the same scenario
+at a reduced shape; ``cuda``: real tensors on a GPU at the Llama-3-8B shape, with the caching
+allocator's allocated and reserved peaks beside the tracker's), and the simulator's prediction for the same rank of the same scenario
 (fp32 parameters, gradients and compute, no recompute, the executor's implementation
 profiles). ``crosscheck_rel_diff`` (fake rows only) is the fake-tensor path against real tensors
 at the reduced shape: a fake row is only worth scoring when that is small.
@@ -26,15 +27,16 @@ ENTRIES = MEMORY_ENTRIES
 """The strategies compared, as scenario entries (``executor.spec.MEMORY_ENTRIES``)."""
 
 
-def scenario_of(spec: RunSpec, name: str) -> Scenario:
+def scenario_of(spec: RunSpec, name: str, cluster: dict[str, Any] | None = None) -> Scenario:
     """The simulator's scenario of a memtrack run spec: its model, batch and layout, trained as
-    the executor trains (fp32, no recompute), on ``spec.world_size`` CPU devices."""
+    the executor trains (fp32, no recompute), on ``spec.world_size`` CPU devices (or on
+    ``cluster``, a scenario's cluster section)."""
     model = {k: v for k, v in dataclasses.asdict(spec.model).items() if v is not None}
     return scenario_from_mapping({
         "model": model,
         "training": {"global_batch_size": spec.global_batch_size, "micro_batch_size": spec.micro_batch_size,
                      "precision": "fp32", "grad_dtype": "fp32", "activation_recompute": "none", "num_steps": 2},
-        "cluster": {"preset": "local-cpu", "gpus_per_node": spec.world_size},
+        "cluster": cluster or {"preset": "local-cpu", "gpus_per_node": spec.world_size},
         "strategy": {**ENTRIES[name], "implementation": IMPLEMENTATIONS[name]},
     }, source=f"validate-memory:{name}")
 
@@ -58,7 +60,7 @@ def rows(methods: tuple[str, ...] = ("fake", "cpu"), strategies: tuple[str, ...]
     out = []
     for name in strategies:
         for method in methods:
-            model: Model = memtrack.llama3_8b(seq_len) if method == "fake" else memtrack.small(
+            model: Model = memtrack.llama3_8b(seq_len) if method in ("fake", "cuda") else memtrack.small(
                 seq_len=512, layers=4, hidden=512, vocab=32768)
             spec = memtrack.spec_for(name, model)
             measured = memtrack.measure(spec, method)
@@ -69,7 +71,8 @@ def rows(methods: tuple[str, ...] = ("fake", "cpu"), strategies: tuple[str, ...]
                         "measured_peak_allocated_bytes": m, "predicted_peak_allocated_bytes": p,
                         "rel_error": (p - m) / m, "crosscheck_rel_diff": cross,
                         "measured_by_category": measured.get("by_category"),
-                        "predicted_by_category": predicted["by_category"], "notes": measured.get("notes", "")})
+                        "predicted_by_category": predicted["by_category"], "notes": measured.get("notes", ""),
+                        "cuda_allocator": measured.get("cuda_allocator") or None})
     return out
 
 

@@ -23,27 +23,18 @@ from hzpsim.validation.mapping import Case
 from hzpsim.validation.measured import Measurement
 
 REGIMES = ("Megatron ND", "FSDP/ZeRO-3", "DeepSpeed ZeRO", "HSDP", "MoE", "long context")
-LONG_CONTEXT_TOKENS = 16384
+LONG_CONTEXT_TOKENS = strategies.LONG_CONTEXT_TOKENS
 
 
 def regimes_of(mapping: dict, model: Model | None = None) -> tuple[str, ...]:
-    """The regimes of a scenario mapping (``model``: its already-loaded model, if at hand)."""
+    """The regimes of a scenario mapping (``model``: its already-loaded model, if at hand;
+    ``strategies.regimes``)."""
     from hzpsim.scenario import scenario_from_mapping
 
     strategy = mapping["strategy"]
     model = model or scenario_from_mapping(mapping).model
-    name, impl = strategy["name"], str(strategy.get("implementation", ""))
-    out: list[str] = []
-    # the plugin's VALIDATION_REGIMES: implementation prefix -> regime, first match
-    for prefix, regime in strategies.declared(name, "VALIDATION_REGIMES", {}).items():
-        if impl.startswith(prefix):
-            out.append(regime)
-            break
-    if model.moe is not None:
-        out.append("MoE")
-    if strategy.get("cp", 1) > 1 or model.seq_len >= LONG_CONTEXT_TOKENS:
-        out.append("long context")
-    return tuple(out)
+    return strategies.regimes(strategy["name"], str(strategy.get("implementation", "")), model.moe is not None,
+                              int(strategy.get("cp", 1)), model.seq_len)
 
 
 def measurements(cases: Iterable[Case]) -> list[Measurement]:

@@ -84,12 +84,13 @@ def _pct_or_na(v: float | None) -> str:
 
 def format_error_summary(s: dict[str, Any]) -> str:
     """In-sample and leave-one-source-out |error| per regime (the figures that count)."""
-    lines = [f"{'regime':<16} {'rows':>5} {'in-sample median':>17} {'p90':>7} {'CV median':>10} {'CV p90':>7}"]
+    lines = [f"{'regime':<16} {'rows':>5} {'in-sample median':>17} {'p90':>7} {'CV median':>10} {'CV p90':>7} "
+             f"{'in 80% interval':>16}"]
     for name, f in [("all", s), *s["by_regime"].items()]:
         if f is None:
-            lines.append(f"{name:<16} {'<3':>5} {'n/a':>17} {'n/a':>7} {'n/a':>10} {'n/a':>7}")
+            lines.append(f"{name:<16} {'<3':>5} {'n/a':>17} {'n/a':>7} {'n/a':>10} {'n/a':>7} {'n/a':>16}")
             continue
         lines.append(f"{name:<16} {f['num_rows']:>5} {_pct_or_na(f['in_sample_median_abs_error']):>17} "
                      f"{_pct_or_na(f['in_sample_p90_abs_error']):>7} {_pct_or_na(f['cv_median_abs_error']):>10} "
-                     f"{_pct_or_na(f['cv_p90_abs_error']):>7}")
+                     f"{_pct_or_na(f['cv_p90_abs_error']):>7} {_pct_or_na(f.get('band_coverage_80')):>16}")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from typing import Any
 
 from hzpsim import strategies
 from hzpsim.calibration import intervals
-from hzpsim.model.goodput import goodput, whole_run
+from hzpsim.model.goodput import cluster_power, goodput, whole_run
 from hzpsim.model.ops import OpGraph
 from hzpsim.report import build_report
 from hzpsim.scenario import Scenario, StrategyChoice
@@ -57,8 +57,9 @@ def prediction_interval(scenario: Scenario, report: dict[str, Any]) -> dict[str,
 def plan_of(scenario: Scenario, graph: OpGraph, report: dict[str, Any]) -> dict[str, Any]:
     """The whole run around the step (``model/goodput.py``): ``goodput`` when failures or
     checkpoints are set (each rank saves the model states it holds: its parameters and
-    optimizer states, the most any device holds), ``time_to_train_s``, ``device_hours`` and
-    ``cost`` when ``training.total_tokens`` is set."""
+    optimizer states, the most any device holds), ``time_to_train_s``, ``device_hours``, ``cost``
+    and ``energy_kwh`` when ``training.total_tokens`` is set, and ``average_power_w`` (the
+    cluster's draw while training: ``goodput.cluster_power``)."""
     training, n = scenario.training, report["num_devices"]
     plan: dict[str, Any] = {"goodput": None}
     fraction = 1.0
@@ -67,8 +68,11 @@ def plan_of(scenario: Scenario, graph: OpGraph, report: dict[str, Any]) -> dict[
                      for memory in graph.static_memory.values())
         plan["goodput"] = goodput(report["step_time_s"], n, states, training.failures, training.checkpoint)
         fraction = plan["goodput"]["fraction"]
+    spec, device = scenario.topology.spec, scenario.topology.device
+    power = cluster_power(n, spec.num_nodes, device.tdp_w, spec.device_power_limit_w,
+                          report["stream_utilization"].get("compute", 0.0), spec.node_overhead_w, spec.pue)
     plan.update(whole_run(report["tokens_per_s"], n, training.total_tokens, fraction,
-                          scenario.topology.spec.price_per_device_hour))
+                          spec.price_per_device_hour, power))
     return plan
 
 

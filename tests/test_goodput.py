@@ -9,7 +9,13 @@ import math
 import pytest
 
 from hzpsim.cli import main
-from hzpsim.model.goodput import goodput, whole_run, young_interval_s
+from hzpsim.model.goodput import (
+    IDLE_POWER_FRACTION,
+    cluster_power,
+    goodput,
+    whole_run,
+    young_interval_s,
+)
 from hzpsim.model.training import LLAMA3_MTBF_DEVICE_HOURS, Checkpoint, Failures
 from hzpsim.run import effective_step_s, run_choice
 from hzpsim.scenario import scenario_from_mapping
@@ -70,7 +76,8 @@ def test_nothing_set_means_no_goodput_and_plain_time_to_train():
     assert out["time_to_train_s"] == pytest.approx(1e6)
     assert out["device_hours"] == pytest.approx(1e6 / 3600 * 64)
     assert out["cost"] == pytest.approx(out["device_hours"] * 2.0)
-    assert whole_run(1e6, 64, None, 1.0, 2.0) == {"time_to_train_s": None, "device_hours": None, "cost": None}
+    assert whole_run(1e6, 64, None, 1.0, 2.0) == {"time_to_train_s": None, "device_hours": None, "cost": None,
+                                                  "energy_kwh": None, "average_power_w": None}
 
 
 def _scenario(training=None, cluster=None, strategy=None):
@@ -106,6 +113,8 @@ def test_report_carries_goodput_time_to_train_and_cost():
     (["--set", "training.checkpoint.write_bytes_per_s_per_device=0"], "training.checkpoint.write_bytes_per_s_per_device"),
     (["--set", "training.total_tokens=-1"], "training.total_tokens"),
     (["--set", "cluster.price_per_device_hour=-1"], "cluster.price_per_device_hour"),
+    (["--set", "cluster.pue=0.9"], "cluster.pue"),
+    (["--set", "cluster.node_overhead_w=-1"], "cluster.node_overhead_w"),
 ])
 def test_bad_settings_exit_2_naming_the_key(capsys, argv, key):
     assert main(["run", *argv]) == 2
@@ -119,7 +128,35 @@ def test_text_output_adds_the_whole_run_line(capsys, tmp_path):
                     "strategy: {name: zero, stage: 3}\n")
     assert main(["run", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "days to train" in out and "goodput" in out and "cost" in out
+    assert "days to train" in out and "goodput" in out and "cost" in out and "MWh" in out
+
+
+def test_power_is_idle_plus_the_busy_share_of_the_cap_plus_the_nodes_times_pue():
+    p = cluster_power(16, 2, 700.0, 700.0, 0.5, 4600.0, 1.2)
+    idle = IDLE_POWER_FRACTION * 700
+    assert p.device_w == pytest.approx(idle + (700 - idle) * 0.5)
+    assert p.cluster_w == pytest.approx((16 * p.device_w + 2 * 4600) * 1.2)
+    assert cluster_power(16, 2, 700.0, 500.0, 1.0, 0.0, None).device_w == pytest.approx(500.0)  # the cap
+    assert cluster_power(16, 2, 700.0, 700.0, 0.0, 0.0, None).device_w == pytest.approx(idle)
+    assert cluster_power(16, 2, None, None, 1.0, 0.0, None) is None  # no TDP in the device file
+
+
+def test_energy_of_the_whole_run():
+    """energy = the cluster's draw x the wall time to train; a power cap lowers the draw (and
+    slows the clock); the PUE and the nodes' overhead scale it."""
+    base = {"total_tokens": 1e12}
+    r = run_choice(s := _scenario(base), s.strategies[0])
+    busy = r["stream_utilization"]["compute"]
+    idle = IDLE_POWER_FRACTION * 700
+    device = idle + (700 - idle) * busy
+    assert r["average_power_w"] == pytest.approx(16 * device + 2 * 4600)  # dgx-h100: 4.6 kW per node
+    assert r["energy_kwh"] == pytest.approx(r["average_power_w"] * r["time_to_train_s"] / 3.6e6)
+    pue = run_choice(s := _scenario(base, {"pue": 1.3}), s.strategies[0])
+    assert pue["energy_kwh"] == pytest.approx(1.3 * r["energy_kwh"])
+    capped = run_choice(s := _scenario(base, {"device_power_limit_w": 500}), s.strategies[0])
+    assert capped["average_power_w"] < r["average_power_w"] and capped["time_to_train_s"] > r["time_to_train_s"]
+    bare = run_choice(s := _scenario(base, {"node_overhead_w": 0}), s.strategies[0])
+    assert bare["average_power_w"] == pytest.approx(16 * device)
 
 
 def test_search_ranks_by_throughput_on_the_wall_when_failures_are_set():

@@ -75,7 +75,7 @@ def format_table(reports: Sequence[dict[str, Any]]) -> str:
 
 def format_whole_run(reports: Sequence[dict[str, Any]]) -> str:
     """One line per strategy for the whole run, where ``total_tokens``, failures or checkpoints
-    are set: days to train, goodput, device-hours and cost ("" when none is)."""
+    are set: days to train, device-hours, energy, goodput and cost ("" when none is)."""
     lines = []
     for r in reports:
         g, days = r.get("goodput"), r.get("time_to_train_s")
@@ -83,7 +83,8 @@ def format_whole_run(reports: Sequence[dict[str, Any]]) -> str:
             continue
         parts = []
         if days is not None:
-            parts.append(f"{days / 86400:,.1f} days to train, {r['device_hours']:,.0f} device-hours")
+            parts.append(f"{days / 86400:,.1f} days to train, {r['device_hours']:,.0f} device-hours"
+                         + (f", {r['energy_kwh'] / 1000:,.0f} MWh" if r.get("energy_kwh") is not None else ""))
         if g is not None:
             interval = g["checkpoint_interval_s"]
             parts.append(f"goodput {g['fraction']:.1%} ({g['expected_interruptions_per_day']:.2f} interruptions/day, "

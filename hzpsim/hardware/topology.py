@@ -177,6 +177,8 @@ class ClusterSpec:
     variability_seed: int | None = None  # seed of the sampled draws under --expand; None = 0
     stragglers: tuple[Straggler, ...] = ()  # explicit slow devices, nodes and links; none by default
     price_per_device_hour: float | None = None  # what one device costs per hour: the run's cost in the report
+    node_overhead_w: float | None = None  # a node's power besides its accelerators at load (W); None = preset's, else 0
+    pue: float | None = None  # the facility's power usage effectiveness (>= 1); None = 1 (IT energy only)
 
     def validate(self) -> None:
         """Check the fields that are set; raise ``ValueError("<field>: <problem>")``."""
@@ -230,6 +232,12 @@ class ClusterSpec:
         v = self.price_per_device_hour
         if v is not None and not (_is_number(v) and v >= 0 and math.isfinite(v)):
             raise ValueError(f"price_per_device_hour: must be a finite price >= 0, got {v!r}")
+        v = self.node_overhead_w
+        if v is not None and not (_is_number(v) and v >= 0 and math.isfinite(v)):
+            raise ValueError(f"node_overhead_w: must be a finite number of watts >= 0, got {v!r}")
+        v = self.pue
+        if v is not None and not (_is_number(v) and 1 <= v <= 10):
+            raise ValueError(f"pue: must be a power usage effectiveness in [1, 10], got {v!r}")
         v = self.spine_oversubscription
         if v is not None and not (_is_number(v) and v >= 1 and math.isfinite(v)):
             raise ValueError(f"spine_oversubscription: must be a finite ratio >= 1, got {v!r}")
@@ -307,6 +315,10 @@ class ClusterSpec:
             elif tdp is None:
                 raise ValueError(f"device_power_limit_w: device {values['device']!r} has no TDP in the "
                                  "catalog, so a power cap cannot be modelled")
+        if values["node_overhead_w"] is None:  # no preset states the nodes' own power: none counted
+            values["node_overhead_w"] = 0.0
+        if values["pue"] is None:  # the IT energy alone
+            values["pue"] = 1.0
         # each value comes from a validated mapping (this spec or the preset file); only the
         # cross-field rule can be broken by mixing the two
         _check_islands_divide(values["gpus_per_node"], values["islands_per_node"])
@@ -395,6 +407,10 @@ class ResolvedCluster:
     """Explicit slow devices, nodes and links (validated, in range)."""
     price_per_device_hour: float | None = None
     """What one device costs per hour (None: not given, no cost in the report)."""
+    node_overhead_w: float = 0.0
+    """A node's power besides its accelerators at load, W (0 where no preset states it)."""
+    pue: float = 1.0
+    """The facility's power usage effectiveness (1: the IT energy alone)."""
     device_spec: Device | None = None
     """The device ``device`` names, read from its file once, at load (None: read when built)."""
 

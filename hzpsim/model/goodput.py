@@ -31,6 +31,7 @@ the report (``run.plan_of``) supplies both.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from hzpsim.model.training import Checkpoint, Failures
@@ -82,12 +83,44 @@ def goodput(step_time_s: float, num_devices: int, state_bytes_per_device: float,
     }
 
 
+IDLE_POWER_FRACTION = 70.55 / 700.0
+"""An accelerator's idle draw over its TDP: 70.55 W of 700 W read by nvidia-smi on an idle H100
+SXM before any work (2026-11-26, docs/gpu-measurements.md); one device's reading, used for every
+device."""
+
+
+@dataclass(frozen=True)
+class Power:
+    """What a cluster draws while it trains (``cluster_power``)."""
+
+    device_w: float
+    """One accelerator: idle + (its power cap - idle) x the share of the step its compute
+    stream is busy (the linear utilisation model of Fan, Weber and Barroso, "Power provisioning
+    for a warehouse-sized computer", ISCA 2007, applied to the accelerator)."""
+    cluster_w: float
+    """Every accelerator, plus every node's ``node_overhead_w``, times the PUE."""
+
+
+def cluster_power(num_devices: int, num_nodes: int, tdp_w: float | None, power_cap_w: float | None,
+                  compute_busy: float, node_overhead_w: float | None, pue: float | None) -> Power | None:
+    """The cluster's draw while training (None when the device has no TDP in its file)."""
+    if not tdp_w:
+        return None
+    cap = power_cap_w or tdp_w
+    idle = IDLE_POWER_FRACTION * tdp_w
+    device = idle + (max(cap, idle) - idle) * min(max(compute_busy, 0.0), 1.0)
+    it = num_devices * device + num_nodes * (node_overhead_w or 0.0)
+    return Power(device, it * (pue or 1.0))
+
+
 def whole_run(tokens_per_s: float, num_devices: int, total_tokens: float | None, fraction: float,
-              price_per_device_hour: float | None) -> dict[str, Any]:
+              price_per_device_hour: float | None, power: Power | None = None) -> dict[str, Any]:
     """``time_to_train_s`` for ``total_tokens`` at ``tokens_per_s`` while training a ``fraction``
-    of the wall time, and its ``cost`` at ``price_per_device_hour`` (None where not asked or
-    where the run never trains)."""
-    out: dict[str, Any] = {"time_to_train_s": None, "device_hours": None, "cost": None}
+    of the wall time, its ``cost`` at ``price_per_device_hour`` and its ``energy_kwh`` at
+    ``power`` (the draw while training, also over the lost time: a restarting job holds its
+    nodes) (None where not asked or where the run never trains)."""
+    out: dict[str, Any] = {"time_to_train_s": None, "device_hours": None, "cost": None, "energy_kwh": None,
+                           "average_power_w": power.cluster_w if power else None}
     if total_tokens is None or fraction <= 0:
         return out
     seconds = total_tokens / tokens_per_s / fraction
@@ -95,4 +128,6 @@ def whole_run(tokens_per_s: float, num_devices: int, total_tokens: float | None,
     out["device_hours"] = seconds / 3600.0 * num_devices
     if price_per_device_hour is not None:
         out["cost"] = out["device_hours"] * price_per_device_hour
+    if power is not None:
+        out["energy_kwh"] = power.cluster_w * seconds / 3.6e6
     return out

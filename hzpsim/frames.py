@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -107,6 +108,9 @@ def reports_frame(reports: Sequence[dict[str, Any]], label_key: str = "label") -
             "micro_batch_size": training.get("micro_batch_size"),
             "activation_recompute": training.get("activation_recompute"),
             "step_time_s": r["step_time_s"],
+            # the 80 % prediction interval (calibration/intervals.py); NaN without one
+            "step_time_low_s": (r.get("step_time_interval_s") or [math.nan, math.nan])[0],
+            "step_time_high_s": (r.get("step_time_interval_s") or [math.nan, math.nan])[1],
             "tokens_per_s": r["tokens_per_s"],
             "tokens_per_s_per_device": r["tokens_per_s_per_device"],
             "mfu": r["mfu"],

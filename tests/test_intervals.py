@@ -93,3 +93,16 @@ def test_run_json_carries_the_interval_around_the_prediction(capsys) -> None:
     basis = report["interval_basis"]
     assert basis["regime"] == "FSDP/ZeRO-3" and basis["num_rows"] >= 50 and basis["coverage"] == 0.8
     assert basis["uncalibrated_device_widening"] is None  # an H100: calibrated
+
+
+def test_reports_frame_carries_the_interval() -> None:
+    from hzpsim import frames
+
+    reports = [{"strategy_resolved": {"name": "zero", "stage": 3}, "step_time_s": 2.0, "step_time_interval_s": [1.8, 2.5],
+                "tokens_per_s": 1.0, "tokens_per_s_per_device": 1.0, "mfu": 0.4, "peak_memory_bytes": 2**30,
+                "fits_in_memory": True, "exposed_comm_s": 0.1, "bubble_fraction": None,
+                "comm_bytes_per_device": {"inter_node": 0.0}}]
+    frame = frames.reports_frame(reports)
+    assert (frame.at[0, "step_time_low_s"], frame.at[0, "step_time_high_s"]) == (1.8, 2.5)
+    frame = frames.reports_frame([{**reports[0], "step_time_interval_s": None}])
+    assert math.isnan(frame.at[0, "step_time_low_s"])

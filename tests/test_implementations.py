@@ -222,3 +222,24 @@ def test_strategy_resolved_shows_what_the_profile_decides(strategy, key, shown):
     r = report(strategy)
     assert r["strategy_resolved"][key] == shown
     assert r["step_time_s"] == report({**strategy, key: shown})["step_time_s"]
+
+
+def test_megatron_profiles_run_their_frameworks_kernels_without_being_told():
+    """``implementation: megatron-core`` on Hopper is what the validation mapping writes out for
+    a NeMo row: hand-fused pointwise kernels and Transformer Engine's cuDNN attention; on an
+    A100 the attention stays the default; an explicit kernel is kept; eager stacks unchanged."""
+    def step(training: dict, strategy: dict, preset: str = "dgx-h100") -> float:
+        sc = scenario_from_mapping({"model": "llama3-8b", "cluster": {"preset": preset, "num_nodes": 1},
+                                    "training": {"global_batch_size": 16, "micro_batch_size": 2, **training},
+                                    "strategy": {"name": "nd", "tp": 2, "pp": 2, **strategy}})
+        return run_choice(sc, sc.strategies[0])["step_time_s"]
+
+    core = {"implementation": "megatron-core"}
+    stated = step({"fused_kernels": True, "attention_kernel": "cudnn"}, core)
+    assert step({}, core) == stated
+    assert step({}, {"implementation": "megatron-bridge"}) == step({"fused_kernels": True, "attention_kernel": "cudnn"},
+                                                                   {"implementation": "megatron-bridge"})
+    assert step({"attention_kernel": "flash2"}, core) > stated  # the user's kernel wins
+    assert step({}, core, "dgx-a100") == step({"fused_kernels": True}, core, "dgx-a100")
+    eager = {"implementation": "torchtitan"}
+    assert step({}, eager) != step({"fused_kernels": True}, eager)  # not fused unless asked

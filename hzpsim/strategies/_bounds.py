@@ -546,7 +546,8 @@ class BoundCache:
         # unit_costs_of the TP overlap and, for the expert groups' placement, pp): shared by them
         deg = dataclasses.replace(deg, pp=1, vpp=1, dp=None)
         pp = pp if deg.ep > 1 else 1
-        key = (training.micro_batch_size, training.activation_recompute, deg, pp, variability)
+        key = (training.micro_batch_size, training.activation_recompute, training.fused_kernels,
+               training.attention_kernel, deg, pp, variability)
         if key not in self._units:
             self._units[key] = unit_costs_of(self.costs(training.precision, variability),
                                              mp_units(self.model, training, dataclasses.replace(deg, pp=pp).placed(self.topology)),

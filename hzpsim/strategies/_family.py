@@ -74,6 +74,7 @@ def _capped(sizes: tuple[int, int, int], group_size: int) -> tuple[int, int, int
 
 def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology, expand: bool,
           meta: dict | None = None) -> OpGraph:
+    training = plan.schedule.implementation.training_for(training, topology.device)
     n, dims = topology.num_devices, plan.dims
     dp = dims.data_parallel(n)
     placement = Placement.from_sizes(n, order=("tp", "cp", "dp"), tp=dims.tp, cp=dims.cp, dp=dp)

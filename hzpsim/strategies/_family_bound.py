@@ -43,6 +43,7 @@ def bound_of(plan_of: Callable[[Any, Topology], FamilyPlan]):
 def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> Bound:
     """The bounds of the family member whose layout is ``plan``."""
     topology = bounder.topology
+    training = plan.schedule.implementation.training_for(training, topology.device)  # as build runs it
     n = topology.num_devices
     schedule = plan.schedule
     deg = plan.dims

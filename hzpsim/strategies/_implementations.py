@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from hzpsim.hardware.devices import Device
+    from hzpsim.model.training import Training
 
 Granularity = Literal["unit", "tensor", "bucket"]
 
@@ -202,6 +203,12 @@ class Implementation:
     unless ``training.compile`` or ``training.fused_kernels`` fuses the pointwise kernels. False:
     Megatron's fused modules (Transformer Engine's norm + linear, fused bias-SwiGLU, flash
     attention with native GQA), which keep Korthikanti et al.'s set."""
+    attention_kernel_on: tuple[tuple[str, str], ...] = ()
+    """The fused attention kernel the framework picks on a device family (the device file's
+    ``efficiency.gemm_constant``) when ``training.attention_kernel`` is ``auto``: Megatron-Core
+    through Transformer Engine runs cuDNN's fused attention on Hopper (TE >= 1.7,
+    ``transformer_engine/pytorch/attention/dot_product_attention/utils.py::get_attention_backend``:
+    FusedAttention preferred over FlashAttention on sm90 "for performance reasons")."""
     pp_keeps_unsharded: bool = False
     """Pipeline parallelism (pp > 1) over sharded parameters: each unit is gathered once per step
     and kept gathered, and its gradient accumulates unsharded, in the reduce dtype, over the
@@ -290,6 +297,22 @@ class Implementation:
         # _fsdp_collectives.py::foreach_reduce (reduce_output cast back to orig_dtype before it
         # becomes the sharded .grad); torch.optim.Adam: exp_avg and exp_avg_sq in that dtype
         return {"params": FP32_BYTES, "grads": FP32_BYTES, "optimizer": 2 * FP32_BYTES}
+
+    def training_for(self, training: Training, device: Device) -> Training:
+        """``training`` as this framework runs it on ``device``: hand-fused model code
+        (``eager_model_code`` False: Megatron's fused bias-GeLU/SwiGLU and bias-dropout-add, on
+        by default in Megatron-LM's ``arguments.py`` (``--no-bias-gelu-fusion`` etc. turn them
+        off), Transformer Engine's fused norms) fuses the pointwise kernels, and an ``auto``
+        attention kernel is the one the framework picks on this device
+        (:attr:`attention_kernel_on`). The same object when nothing changes."""
+        changes: dict[str, Any] = {}
+        if not self.eager_model_code and not training.fused_kernels:
+            changes["fused_kernels"] = True
+        if training.attention_kernel == "auto" and training.fused_attention:
+            kernel = dict(self.attention_kernel_on).get(device.efficiency.gemm_constant or "")
+            if kernel and kernel in device.attention_kernels:
+                changes["attention_kernel"] = kernel
+        return replace(training, **changes) if changes else training
 
     def on_device(self, device: Device) -> Implementation:
         """This profile with the host costs measured on ``device`` (``hzpsim calibrate
@@ -432,7 +455,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "megatron-core": Implementation(
         name="megatron-core", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
-        moe_dispatcher="allgather", moe_grouped_gemm=False,
+        moe_dispatcher="allgather", moe_grouped_gemm=False, attention_kernel_on=(("h100", "cudnn"),),
         source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
                "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
                "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward); "
@@ -441,6 +464,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "megatron-bridge": Implementation(
         name="megatron-bridge", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
+        attention_kernel_on=(("h100", "cudnn"),),
         source=f"{_MEG}@d98e8a64 (megatron-core's collectives) as NVIDIA-NeMo/Megatron-Bridge@067f987d "
                "recipes configure MoE models: src/megatron/bridge/recipes/{{deepseek,qwen,...}}: "
                "moe_token_dispatcher_type 'alltoall', moe_grouped_gemm True, moe_permute_fusion True",

@@ -164,6 +164,7 @@ def _simulated_lanes(lay: Layout, topology: Topology, expand: bool,
 
 
 def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
+    training = _implementations.get(config.implementation).training_for(training, topology.device)
     lay = layout(config, model, training, topology)
     d, n, m = lay.dims, topology.num_devices, lay.num_micro_batches
     stage_lanes, weights, slow = _simulated_lanes(lay, topology, expand)

@@ -14,6 +14,7 @@ from typing import Any
 
 from hzpsim import strategies
 from hzpsim.calibration import intervals
+from hzpsim.config import to_mapping
 from hzpsim.model.goodput import cluster_power, goodput, whole_run
 from hzpsim.model.ops import OpGraph
 from hzpsim.report import build_report
@@ -38,9 +39,16 @@ def report_of(scenario: Scenario, choice: StrategyChoice, graph: OpGraph, traces
     if traces is not None:
         traces.append(trace)
     report = build_report(trace, scenario.model, scenario.training, choice.resolved())
+    report["training_resolved"] = training_resolved(scenario, choice)
     report.update(prediction_interval(scenario, report))
     report.update(plan_of(scenario, graph, report))
     return report
+
+
+def training_resolved(scenario: Scenario, choice: StrategyChoice) -> dict[str, Any]:
+    """The scenario's ``training`` as the strategy's implementation profile runs it (its kernel
+    defaults applied: ``Implementation.training_for``), every field."""
+    return to_mapping(strategies.training_as_simulated(choice.config, scenario.training, scenario.topology.device))
 
 
 def prediction_interval(scenario: Scenario, report: dict[str, Any]) -> dict[str, Any]:

@@ -243,3 +243,10 @@ def test_megatron_profiles_run_their_frameworks_kernels_without_being_told():
     assert step({}, core, "dgx-a100") == step({"fused_kernels": True}, core, "dgx-a100")
     eager = {"implementation": "torchtitan"}
     assert step({}, eager) != step({"fused_kernels": True}, eager)  # not fused unless asked
+    # and the report says what ran
+    sc = scenario_from_mapping({"model": "llama3-8b", "cluster": {"preset": "dgx-h100", "num_nodes": 1},
+                                "training": {"global_batch_size": 16, "micro_batch_size": 2},
+                                "strategy": {"name": "nd", "tp": 2, "pp": 2, **core}})
+    resolved = run_choice(sc, sc.strategies[0])["training_resolved"]
+    assert resolved["attention_kernel"] == "cudnn" and resolved["fused_kernels"] is True
+    assert resolved["micro_batch_size"] == 2 and resolved["global_batch_size"] == 16

@@ -30,7 +30,7 @@ def evaluate(scenario: Scenario, candidate: Candidate) -> dict[str, Any]:
         report = report_of(sc, resolve(sc, choice.name, choice.config), graph, None)
     except (ValueError, GraphError) as exc:
         return {"error": str(exc)}
-    report["training_resolved"] = candidate.training()
+    report["training_resolved"] = {**report["training_resolved"], **candidate.training()}
     return {"report": report}
 
 

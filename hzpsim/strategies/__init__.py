@@ -129,6 +129,18 @@ def as_simulated(config: Any) -> Any:
     return dataclasses.replace(config, **changes) if changes else config
 
 
+def training_as_simulated(config: Any, training: Any, device: Any) -> Any:
+    """``training`` as ``config``'s implementation profile runs it on ``device`` (its kernel
+    defaults: ``_implementations.Implementation.training_for``); unchanged for a config
+    without a profile."""
+    from hzpsim.strategies import _implementations
+
+    name = getattr(config, "implementation", None)
+    if not isinstance(name, str):
+        return training
+    return _implementations.get(name).training_for(training, device)
+
+
 def label(resolved: dict[str, Any]) -> str:
     """A short name for tables of the strategy ``resolved`` (a report's ``strategy_resolved``)."""
     plugin = get(resolved["name"])

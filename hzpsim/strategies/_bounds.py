@@ -143,9 +143,8 @@ class Costs:
         """Add the bytes a collective puts on each of a rank's links (per level)."""
         if not count or size <= 0 or len(ranks) < 2:
             return
-        factor = count
         for level, b in self.collectives.plan(kind, size, self._span(ranks)).demand_by_level.items():
-            demand[level] = demand.get(level, 0.0) + b * factor
+            demand[level] = demand.get(level, 0.0) + b * count
 
     def link_s(self, demand: dict[str, float]) -> float:
         """Least time a rank's links need to carry ``demand`` (each level at its full rate)."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from hzpsim.hardware.topology import Topology
 from hzpsim.strategies import _nd_layout as nd
+from hzpsim.strategies import training_as_simulated
 from hzpsim.strategies._bounds import (
     Bound,
     BoundCache,
@@ -55,7 +56,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     """The bounds of the ND layout ``cfg`` (``nd.bound``, and with ``refine`` ``nd.refine_bound``:
     the whole pipeline replayed too, what is too slow to compute for every candidate)."""
     topology = bounder.topology
-    training = nd.schedule(cfg).implementation.training_for(training, topology.device)  # as build runs it
+    training = training_as_simulated(cfg, training, topology.device)  # as build runs it
     n = topology.num_devices
     deg = nd.dims(cfg)
     lay = _layout(bounder, cfg, training)

@@ -23,7 +23,14 @@ from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.ops import OpGraph
 from hzpsim.model.training import Training
-from hzpsim.strategies import Bound, BoundCache, PublishedRun, _implementations, compose_label
+from hzpsim.strategies import (
+    Bound,
+    BoundCache,
+    PublishedRun,
+    _implementations,
+    compose_label,
+    training_as_simulated,
+)
 from hzpsim.strategies._model_parallel import MPUnit, UnitPass, merge_units, mp_units
 from hzpsim.strategies._nd_layout import (  # noqa: F401 (the plugin's layout, re-exported)
     Layout,
@@ -164,7 +171,7 @@ def _simulated_lanes(lay: Layout, topology: Topology, expand: bool,
 
 
 def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
-    training = _implementations.get(config.implementation).training_for(training, topology.device)
+    training = training_as_simulated(config, training, topology.device)
     lay = layout(config, model, training, topology)
     d, n, m = lay.dims, topology.num_devices, lay.num_micro_batches
     stage_lanes, weights, slow = _simulated_lanes(lay, topology, expand)

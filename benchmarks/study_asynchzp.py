@@ -20,15 +20,25 @@ from hzpsim.run import run_choice
 from hzpsim.scenario import scenario_from_mapping
 from hzpsim.strategies import label as _label
 
+# Document lengths for the variable-length weak scaling: the DCLM-Baseline subset's sequences
+# per length bucket after dataset decomposition (Pouransari et al., NeurIPS 2024, arXiv
+# 2405.13226; official repository apple/ml-dataset-decomposition, README "Step 4", commit
+# 2c38656: 14,581,760 / 12,279,808 / 7,587,840 / 3,230,208 / 1,320,192 / 577,664 sequences of
+# 256 ... 8,192 tokens). They are the pieces of DCLM's documents cut at powers of two, the
+# closest published length histogram found (docs/sequence-lengths.md); mean 873 tokens.
+DCLM_LENGTHS = [[256, 14_581_760], [512, 12_279_808], [1024, 7_587_840], [2048, 3_230_208],
+                [4096, 1_320_192], [8192, 577_664]]
 
-def run(model: str, cards: int, strategy: dict, recompute: str = "full", seqs_per_card: int = 4) -> dict[str, Any]:
+
+def run(model: Any, cards: int, strategy: dict, recompute: str = "full", seqs_per_card: int = 4,
+        lengths: Any = "fixed") -> dict[str, Any]:
     sc = scenario_from_mapping({
         "model": model,
         # every strategy with the same hand-fused model code (the paper's stack, MindSpeed on
         # Ascend, fuses its pointwise kernels; Megatron's profiles fuse theirs by default): the
         # comparison is of the parallelism, not of eager vs fused kernels
         "training": {"global_batch_size": seqs_per_card * cards, "activation_recompute": recompute,
-                     "fused_kernels": True},
+                     "fused_kernels": True, "sequence_lengths": lengths},
         "cluster": {"preset": "hzp-npu", "num_nodes": cards // 16},
         "strategy": strategy,
     })
@@ -61,6 +71,37 @@ def best_nd(model: str, cards: int, grid: list[dict]) -> dict[str, Any]:
     return best
 
 
+WEAK_SCALING = ({"name": "zero", "stage": 3}, {"name": "asynchzp"},
+                {"name": "nd", "tp": 8, "pp": 4, "sequence_parallel": True, "zero_stage": 1})
+
+
+def weak_scaling(dense: str) -> None:
+    """256 -> 1,024 cards at 16K tokens per card per step, whole rows and then DCLM's document
+    lengths packed with per-document masks, with and without length-aware balancing; then one
+    16K-token row per card with long-tailed documents (lognormal, mean 4,096, sigma 1.5: a
+    what-if, not a published distribution), where attention weighs more."""
+    long_rows = {"preset": dense, "seq_len": 16384}
+    for title, model, per_card, lengths in (
+            ("", dense, 4, "fixed"),
+            (", DCLM document lengths packed per document", dense, 4, {"lengths": DCLM_LENGTHS}),
+            (", DCLM lengths, length-aware balancing", dense, 4,
+             {"lengths": DCLM_LENGTHS, "balancing": "length_aware"}),
+            (" as one 16K row, whole rows", long_rows, 1, "fixed"),
+            (" as one 16K row, lognormal documents (mean 4,096, sigma 1.5; what-if)", long_rows, 1,
+             {"distribution": "lognormal", "mean_tokens": 4096, "sigma": 1.5})):
+        print(f"\n## weak scaling, {dense}, 16K tokens per card per step{title}\n")
+        print("| strategy | 256 cards tokens/s/card | 1,024 cards tokens/s/card | linearity | 1,024: wait for longer documents s / step s |\n"
+              "|---|---|---|---|---|")
+        for strategy in WEAK_SCALING:
+            small = run(model, 256, strategy, seqs_per_card=per_card, lengths=lengths)
+            large = run(model, 1024, strategy, seqs_per_card=per_card, lengths=lengths)
+            wait = large["time_breakdown_s"].get("wait.sequence_lengths", 0.0)
+            print(f"| {_label(large['strategy_resolved'])} | {small['tokens_per_s_per_device']:,.0f} | "
+                  f"{large['tokens_per_s_per_device']:,.0f} | "
+                  f"{large['tokens_per_s_per_device'] / small['tokens_per_s_per_device']:.1%} | "
+                  f"{wait:.2f} / {large['step_time_s']:.2f} |")
+
+
 def main() -> int:
     start = time.perf_counter()
     dense = "llama2-70b"
@@ -74,14 +115,7 @@ def main() -> int:
     grid = [{"tp": t, "pp": p, "vpp": v} for t in (4, 8) for p in (2, 4, 8) for v in (1, 2)]
     print(row(best_nd(dense, 1024, grid)))
 
-    print(f"\n## weak scaling, {dense}, 16K tokens per card per step\n")
-    print("| strategy | 256 cards tokens/s/card | 1,024 cards tokens/s/card | linearity |\n|---|---|---|---|")
-    for strategy in ({"name": "zero", "stage": 3}, {"name": "asynchzp"},
-                     {"name": "nd", "tp": 8, "pp": 4, "sequence_parallel": True, "zero_stage": 1}):
-        small, large = run(dense, 256, strategy), run(dense, 1024, strategy)
-        print(f"| {_label(large['strategy_resolved'])} | {small['tokens_per_s_per_device']:,.0f} | "
-              f"{large['tokens_per_s_per_device']:,.0f} | "
-              f"{large['tokens_per_s_per_device'] / small['tokens_per_s_per_device']:.1%} |")
+    weak_scaling(dense)
 
     # MoE: Mixtral-8x7B (8 large experts, top-2) and a fine-grained MoE, Qwen3-30B-A3B (128 small
     # experts, top-8); EP exchanges by all-to-all (docs/moe.md), ND as NeMo runs it (megatron-bridge)

@@ -78,7 +78,7 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
             if type(None) in options:
                 return None
             raise ScenarioError(f"{path}: a value is required")
-        errors = []
+        errors, shaped = [], []
         for option in options:
             if option is type(None):
                 continue
@@ -86,6 +86,11 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
                 return coerce(option, value, path)
             except ScenarioError as exc:
                 errors.append(str(exc))
+                if (isinstance(value, Mapping) and dataclasses.is_dataclass(option)) or (
+                        isinstance(value, str) and get_origin(option) is Literal):
+                    shaped.append(str(exc))  # the value's shape says which option was meant
+        if len(errors) > 1 and len(shaped) == 1:
+            raise ScenarioError(shaped[0])
         raise ScenarioError(errors[0] if len(errors) == 1 else f"{path}: invalid value {_describe(value)}")
     if origin is Literal:
         allowed = get_args(tp)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from hzpsim.hardware.compute import calibrated_device
@@ -46,6 +46,7 @@ from hzpsim.model.training import Training
 from hzpsim.scenario import Scenario
 from hzpsim.sim.allocator import communicators, replay
 from hzpsim.sim.engine import Trace
+from hzpsim.sim.lengths import WAIT_KEY
 
 JSON_KEYS = (
     "step_time_s",
@@ -264,6 +265,18 @@ def comm_bytes(trace: Trace, step: int) -> dict[int, dict[str, float]]:
     return out
 
 
+def attention_keys(meta: dict[str, Any], num_steps: int) -> float | None:
+    """Keys each token attends over in the reported step: with variable-length sequences the
+    mean over its micro-batches and ranks of the token-weighted mean document piece length
+    (``model/sequences.py``: what per-document masks leave of seq_len); None for whole rows."""
+    lengths = meta.get("sequence_lengths")
+    if not lengths:
+        return None
+    m = lengths["num_micro_batches"]
+    rows = lengths["effective_tokens"][(num_steps - 1) * m:num_steps * m]
+    return math.fsum(math.fsum(row) for row in rows) / (len(rows) * lengths["dp"])
+
+
 def build_report(trace: Trace, model: Model, training: Training, strategy_resolved: dict[str, Any]) -> dict[str, Any]:
     graph = trace.graph
     device = trace.topology.device
@@ -274,7 +287,7 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     window = (ends[-2], ends[-1])
     tokens = training.global_batch_size * model.seq_len
     peak_flops = device.peak_flops_per_s(graph.compute_dtype)
-    model_flops = model.model_flops_per_token() * tokens
+    model_flops = model.model_flops_per_token(attention_keys(graph.meta, training.num_steps)) * tokens
     # recompute on the model-FLOPs basis (full attention, no causal halving)
     recompute_flops = tokens * sum(model.recompute_forward_flops(i, 1, training.activation_recompute, causal=False,
                                                                  float8=training.precision == "fp8")
@@ -332,18 +345,22 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     report["memory_over_capacity_bytes"] = max(-memory["memory_headroom_bytes"], 0.0)
     report["stream_utilization"] = stream_utilization(spans[graph.ranks[0]], window)
     critical = max(graph.weights, key=lambda r: (exposed_by_rank[r], -r))
-    report["time_breakdown_s"] = time_breakdown(trace, by_rank[critical], spans[critical], window)
+    report["time_breakdown_s"] = time_breakdown(trace, by_rank[critical], spans[critical], window,
+                                                trace.waits.get(critical, ()))
     return report
 
 
-def time_breakdown(trace: Trace, ops: list[Op], spans: StepSpans, window: tuple[float, float]) -> dict[str, float]:
+def time_breakdown(trace: Trace, ops: list[Op], spans: StepSpans, window: tuple[float, float],
+                   waits: Sequence[tuple[float, float]] = ()) -> dict[str, float]:
     """Where one rank's step goes, instant by instant: ``compute.<category>`` while it computes
     (forward, backward, optimizer ...), ``exposed.<category>`` while it only communicates
     (param_gather, grad_reduce, tp, pp, cp, ep ...; shared equally among the categories in
     flight), ``host`` while device work waits for the host thread to launch it (kernel
     launches, list-form views and copies, a synchronisation), ``idle`` while it waits on other
-    ranks (the pipeline bubble). Sums to the step. ``ops`` are the rank's ops, ``spans``
-    those in the step (:func:`step_spans`)."""
+    ranks (the pipeline bubble), ``wait.sequence_lengths`` while a collective waits for ranks
+    whose documents took longer (``waits``, variable-length sequences: ``sim/lengths.py``).
+    Sums to the step. ``ops`` are the rank's ops, ``spans`` those in the step
+    (:func:`step_spans`)."""
     lo, hi = window
     edges: list[tuple[float, int, str]] = []  # (time, +1/-1, key)
     for stream, items in spans.items():
@@ -352,6 +369,10 @@ def time_breakdown(trace: Trace, ops: list[Op], spans: StepSpans, window: tuple[
         for start, end, kind, category in items:
             key = ("compute." if kind == COMPUTE else "exposed.") + category
             edges += [(start, 1, key), (end, -1, key)]
+    for start, end in waits:
+        start, end = max(start, lo), min(end, hi)
+        if end > start:
+            edges += [(start, 1, WAIT_KEY), (end, -1, WAIT_KEY)]
     for start, end in _host_waits(trace, ops, lo):
         start, end = max(start, lo), min(end, hi)
         if end > start:
@@ -365,7 +386,8 @@ def time_breakdown(trace: Trace, ops: list[Op], spans: StepSpans, window: tuple[
             busy = [k for k, v in active.items() if v > 0]
             computing = [k for k in busy if k.startswith("compute.")]
             talking = [k for k in busy if k.startswith("exposed.")]
-            share = computing or talking or busy or ["idle"]
+            waiting = [k for k in busy if k == WAIT_KEY]  # before its transfer, a collective waits for late ranks
+            share = computing or waiting or talking or busy or ["idle"]
             for k in share:
                 out[k] = out.get(k, 0.0) + (time - last) / len(share)
             last = time

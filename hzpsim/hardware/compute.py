@@ -174,6 +174,16 @@ class ComputeModel:
             rate = self._attention_peak * fraction * self.efficiency.attention_fraction * self.device.sustained_clock_fraction
         return a.kernel_flops / rate
 
+    def cheapest_row_keys(self, lo: float, hi: float) -> float:
+        """The token-weighted mean document length in [lo, hi] at which a packed row of causal
+        attention (``kernels.packed``: FLOPs in proportion to the length) takes the least time.
+        With per-kernel rates the time goes as (L + half-speed keys)(L + causal extra keys) / L
+        (:meth:`attention_s`), least at the geometric mean of the two constants; at a flat rate
+        it goes as L."""
+        if not self._attention:
+            return lo
+        return min(max(math.sqrt(ATTENTION_HALF_SPEED_KEYS * CAUSAL_EXTRA_KEYS), lo), hi)
+
     def shapes_s(self, shapes: tuple[Shape, ...]) -> float:
         seconds = self._shapes_s.get(shapes)
         if seconds is None:

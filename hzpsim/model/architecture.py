@@ -525,12 +525,14 @@ class Model:
         # Q·K^T: 2·a·d_qk, probabilities·V: 2·a·d_v multiply-add FLOPs per (query, key) pair.
         return 2 * self.num_heads * (self.head_dim_resolved + self.v_head_dim_resolved)
 
-    def model_flops_per_token(self) -> float:
+    def model_flops_per_token(self, attention_keys: float | None = None) -> float:
         """PaLM model FLOPs per token (DESIGN §5 ``mfu``): 6·N_matmul + 12·l·a·d·s, i.e. three
         passes, full (non-causal) attention, no recompute. With MLA 12·a·d becomes
-        6·a·(d_qk + d_v)."""
+        6·a·(d_qk + d_v). ``attention_keys``: the keys a token attends over when documents
+        of varying length are packed with per-document masks (default s = seq_len)."""
+        keys = self.seq_len if attention_keys is None else attention_keys
         return 6.0 * self.matmul_params_active_per_token() + 3.0 * self.num_layers * (
-            self._attention_core_flops_per_token_per_key() * self.seq_len
+            self._attention_core_flops_per_token_per_key() * keys
         )
 
     def layer_forward_flops(self, i: int, num_tokens: int, causal: bool = True) -> dict[str, float]:

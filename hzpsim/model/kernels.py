@@ -102,6 +102,18 @@ def merged(*groups: Iterable[Shape]) -> tuple[Shape, ...]:
     return tuple(k._replace(calls=c) for k, c in counts.items())
 
 
+def packed(shapes: tuple[Shape, ...], seq_len: float, tokens: float) -> tuple[Shape, ...]:
+    """``shapes`` with their attention run over documents of token-weighted mean length
+    ``tokens`` instead of whole ``seq_len`` rows (variable-length flash attention,
+    ``model/sequences.py``): each kernel's query and key lengths scale by tokens / seq_len and
+    it runs seq_len / tokens times as often, so its FLOPs scale by tokens / seq_len."""
+    if tokens == seq_len or not any(isinstance(s, Attention) for s in shapes):
+        return shapes
+    f = tokens / seq_len
+    return tuple(s._replace(seq_q=s.seq_q * f, seq_kv=s.seq_kv * f, calls=s.calls / f) if isinstance(s, Attention) else s
+                 for s in shapes)
+
+
 def total_flops(shapes: Iterable[Shape], kind: type | None = None) -> float:
     return sum(s.flops for s in shapes if kind is None or isinstance(s, kind))
 

@@ -97,6 +97,7 @@ class Op:
         "count",
         "duration_s",
         "shapes",
+        "batch",
     )
 
     def __init__(
@@ -119,6 +120,7 @@ class Op:
         count: int = 1,
         duration_s: float = 0.0,
         shapes: tuple[Shape, ...] = (),
+        batch: int = -1,
     ) -> None:
         self.id = id
         self.kind = kind
@@ -138,6 +140,7 @@ class Op:
         self.count = count  # a collective repeated back to back (e.g. a layer's two TP all-reduces)
         self.duration_s = duration_s  # fixed time added to a compute op's rate-based time (host work)
         self.shapes = shapes  # the kernels behind ``flops`` (hzpsim.model.kernels), shared between ops
+        self.batch = batch  # the micro-batch whose lengths set its attention (graph meta sequence_lengths; -1: none)
 
     @property
     def senders(self) -> tuple[int, ...]:
@@ -151,6 +154,8 @@ class Op:
     def to_dict(self) -> dict[str, Any]:
         out = {s: getattr(self, s) for s in self.__slots__}
         out["shapes"] = to_plain(self.shapes)
+        if self.batch < 0:  # fixed-length sequences: the graph reads as before the field existed
+            del out["batch"]
         return out
 
 
@@ -240,6 +245,7 @@ class OpGraph:
         step: int = 0,
         duration_s: float = 0.0,
         shapes: tuple[Shape, ...] = (),
+        batch: int = -1,
     ) -> int:
         """A compute op on ``rank``'s ``stream``: FLOPs by class and HBM bytes, timed by the
         device's rates, plus a fixed ``duration_s`` (host work: launches, Python, syncs).
@@ -250,7 +256,7 @@ class OpGraph:
         op_id = len(self.ops)
         self.ops.append(Op(op_id, COMPUTE, name, category, stream, (rank,), _dep_ids(deps), flops_by_class(flops),
                            float(bytes_accessed), None, None, 0.0, memory_delta(alloc) if alloc else (),
-                           memory_delta(free) if free else (), step, 1, float(duration_s), shapes))
+                           memory_delta(free) if free else (), step, 1, float(duration_s), shapes, batch))
         return op_id
 
     def collective(

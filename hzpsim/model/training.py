@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from hzpsim.model.sequences import SequenceLengths
+
 Precision = Literal["bf16", "fp16", "fp8", "fp32"]
 AttentionKernel = Literal["auto", "flash2", "flash3", "cudnn", "triton", "unfused"]
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
@@ -78,6 +80,8 @@ class Training:
     total_tokens: float | None = None  # tokens of the whole run: time_to_train_s (and cost) in the report
     failures: Failures | None = None  # device failures: goodput in the report (model/goodput.py)
     checkpoint: Checkpoint | None = None  # checkpoint saves (with failures: auto interval by default)
+    sequence_lengths: Literal["fixed"] | SequenceLengths = "fixed"  # every row one seq_len sequence, or
+    # documents of varying length packed into the rows (model/sequences.py)
 
     def validate(self) -> None:
         if self.global_batch_size < 1:
@@ -98,6 +102,13 @@ class Training:
             raise ValueError("num_steps: must be between 2 and 100 (the last step is reported)")
         if self.total_tokens is not None and not self.total_tokens > 0:
             raise ValueError(f"total_tokens: must be > 0, got {self.total_tokens}")
+
+    @property
+    def varying_lengths(self) -> SequenceLengths | None:
+        """The document lengths when they change what a micro-batch costs (per-document
+        attention masks), else None."""
+        spec = self.sequence_lengths
+        return spec if isinstance(spec, SequenceLengths) and spec.varies else None
 
     @property
     def fused_pointwise(self) -> bool:

@@ -28,6 +28,7 @@ from hzpsim.hardware.compute import ComputeModel, Efficiency
 from hzpsim.hardware.topology import GroupSpan, Topology
 from hzpsim.hardware.variability import Stragglers
 from hzpsim.model.ops import COMPUTE, GraphError, Op, OpGraph, SimulatorFault
+from hzpsim.sim.lengths import LengthWaits
 from hzpsim.sim.network import Network, Resource, call_after, flow_template
 
 UNDONE = -1.0
@@ -79,6 +80,9 @@ class Trace:
     num_events: int
     sim_wall_s: float
     spans: dict[str, GroupSpan] = field(default_factory=dict)
+    waits: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+    """Per simulated rank, the intervals it waited for ranks with longer documents
+    (variable-length sequences, ``sim/lengths.py``)."""
 
 
 class Engine:
@@ -128,6 +132,8 @@ class Engine:
         self._running: dict[int, list[_Running]] = {r: [] for r in graph.weights}
         self.num_finished = 0
         self.stragglers = Stragglers(topology.spec.variability, topology.spec.variability_seed)
+        # variable-length sequences: the data-parallel ranks no lane simulates run other documents
+        self.lengths = LengthWaits(graph, self.compute_model) if "sequence_lengths" in graph.meta else None
         # explicit stragglers (cluster.stragglers): the strategy simulated each straggler's class
         # explicitly and says how much slower its device compute runs (graph meta
         # ``compute_slowdown``: [[rank, factor], ...]); a collective over a slow NIC moves its
@@ -179,7 +185,7 @@ class Engine:
 
     def _stream(self, ops: list[Op]) -> Generator[Any, None, None]:  # yields Timer / _Waiter events
         env, end_s, start_s, arrived, waiters = self.env, self.end_s, self.start_s, self._arrived, self._waiters
-        straggler, stragglers = self._straggler, self.stragglers
+        straggler, stragglers, lengths = self._straggler, self.stragglers, self.lengths
         slowable = bool(self.slowdown)
         shared = self.shared_cores
         pooled = bool(self.pool_cores)
@@ -210,6 +216,8 @@ class Engine:
                     yield call_after(env, self._duration_s(op, device))
                 if device and stragglers.cv > 0:  # device work: what a straggler falls behind on
                     stragglers.worked(op.ranks[0], env._now - start)
+                if op.batch >= 0 and lengths is not None:  # other ranks ran other documents
+                    lengths.worked(op)
                 self._finish(op)
                 previous_end_s = env._now
             else:
@@ -340,6 +348,8 @@ class Engine:
             # later, and the group's next device compute cannot start before it arrived. The
             # transfer itself is not stretched: no source shows per-transfer noise at this scale
             late_s = self.stragglers.delay_s(op.ranks, size, sampled)
+        if self.lengths is not None:  # ranks with longer documents arrive later (sim/lengths.py)
+            late_s += self.lengths.rendezvous(op, now)
         self.plans[op.id] = plan
         wait_s = plan.latency_s
         if late_s > 0:
@@ -499,6 +509,7 @@ class Engine:
             num_events,
             time.perf_counter() - wall,
             self.spans,
+            self.lengths.waits if self.lengths is not None else {},
         )
 
 

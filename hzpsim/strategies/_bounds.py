@@ -183,7 +183,8 @@ class UnitCost:
         return self.backward_s + self.after_backward_s
 
 
-def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: int, pp: int) -> list[UnitCost]:
+def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: int, pp: int,
+                  attention_keys: tuple[float, float] | None = None) -> list[UnitCost]:
     """Each unit's forward and backward on the compute stream. A TP or EP collective that
     directly follows a compute op rendezvouses with a stretch of device work at least that op
     long behind it, so it starts ``late(group)`` × that op's time late (``Stragglers.delay_s``:
@@ -191,13 +192,15 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
     then makes the rank's next kernel wait for that straggler again, counting from the end of
     the stream's previous op (``Engine._stream``: ``waited_s`` starts at ``previous_end_s``, the
     collective's end): ``after_*_s``, which delays the next kernel on the same stream but not
-    what depends on the collective itself (sends, reductions)."""
+    what depends on the collective itself (sends, reductions). ``attention_keys`` = (seq_len,
+    tokens): the attention priced over documents of ``tokens`` mean length, the least any
+    micro-batch of variable-length sequences attends over (:func:`least_attention_keys`)."""
     tp_ranks = range(deg.tp)
     ep_ranks = list(expert_placement(n, deg.ep, deg.etp, pp).group("ep", 0)) if deg.ep > 1 else []
     late_tp = costs.late(deg.tp)
     out = []
     for u in units:
-        w = costs.work_s
+        w = costs.work_s if attention_keys is None else (lambda work: costs.work_s(work.packed(*attention_keys)))
         exposed = 1 - deg.tp_comm_overlap
         tp_f = sum(costs.collective_s(k, b * exposed, tp_ranks, c) for k, c, b in u.tp_calls(True))
         tp_b = sum(costs.collective_s(k, b * exposed, tp_ranks, c) for k, c, b in u.tp_calls(False))
@@ -545,13 +548,29 @@ class BoundCache:
         # unit_costs_of the TP overlap and, for the expert groups' placement, pp): shared by them
         deg = dataclasses.replace(deg, pp=1, vpp=1, dp=None)
         pp = pp if deg.ep > 1 else 1
+        keys = least_attention_keys(training, self.model.seq_len, self.costs(training.precision, variability).compute)
         key = (training.micro_batch_size, training.activation_recompute, training.fused_kernels,
-               training.attention_kernel, deg, pp, variability)
+               training.attention_kernel, deg, pp, variability, keys)
         if key not in self._units:
             self._units[key] = unit_costs_of(self.costs(training.precision, variability),
                                              mp_units(self.model, training, dataclasses.replace(deg, pp=pp).placed(self.topology)),
-                                             deg, self.topology.num_devices, pp)
+                                             deg, self.topology.num_devices, pp, keys)
         return self._units[key]
+
+
+def least_attention_keys(training, seq_len: int, compute: ComputeModel) -> tuple[float, float] | None:
+    """(seq_len, the mean document length at which any micro-batch's attention takes least time)
+    under variable-length sequences (None: whole rows). A row of ``seq_len`` tokens cut into k
+    pieces holds at least seq_len^2 / k query-key pairs; with no document shorter than l_min a
+    row has at most seq_len / l_min + 2 pieces (a document cut at each row end), so its
+    token-weighted mean piece length is at least seq_len / (seq_len / l_min + 2) (l_min = 1 for
+    a distribution); within that range the kernel model's cheapest length
+    (:meth:`~hzpsim.hardware.compute.ComputeModel.cheapest_row_keys`)."""
+    spec = training.varying_lengths
+    if spec is None:
+        return None
+    shortest = min(p[0] for p in spec.lengths) if spec.lengths else 1.0
+    return float(seq_len), compute.cheapest_row_keys(seq_len / (seq_len / shortest + 2), seq_len)
 
 
 def range_key(ranks: Sequence[int]) -> Any:

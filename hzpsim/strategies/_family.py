@@ -27,7 +27,15 @@ from hzpsim.model.training import Training
 from hzpsim.strategies import compose_label
 from hzpsim.strategies._dims import NO_MODEL_PARALLELISM, ParallelDims
 from hzpsim.strategies._model_parallel import UnitPass, mp_units
-from hzpsim.strategies._sharded import Emitter, Ids, NestedSharding, Schedule, flat_uses, grad_norm
+from hzpsim.strategies._sharded import (
+    Emitter,
+    Ids,
+    NestedSharding,
+    Schedule,
+    attach_lengths,
+    flat_uses,
+    grad_norm,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +93,8 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
     m = dims.num_micro_batches(training, n)
     units = mp_units(model, training, dims.placed(topology), plan.schedule.implementation)
     emit = Emitter(graph, lanes, plan.schedule.implementation.on_device(topology.device))
+    attach_lengths(emit, training, model.seq_len, {lane: placement.coord(lane)["dp"] for lane in lanes}, dp,
+                   dims.tp * dims.cp, m)
     sizes = (plan.param_size, plan.grad_size, plan.optim_size)
     unit_pass = UnitPass(emit, dims, units, training, placement, experts, plan.schedule,
                          flat_uses(training.num_steps, m, len(units)), lambda size: _capped(sizes, size), m)

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
-from hzpsim.model.kernels import Attention, Gemm, Shape, merged, scaled
+from hzpsim.model.kernels import Attention, Gemm, Shape, merged, packed, scaled
 from hzpsim.model.ops import FlopsByClass, flops_by_class
 from hzpsim.model.training import Training
 
@@ -63,6 +63,12 @@ class Work:
             self.bytes_accessed * factor,
             scaled(self.shapes, factor),
         )
+
+    def packed(self, seq_len: float, tokens: float) -> Work:
+        """This work with its attention over documents of token-weighted mean length ``tokens``
+        (:func:`~hzpsim.model.kernels.packed`)."""
+        shapes = packed(self.shapes, seq_len, tokens)
+        return self if shapes is self.shapes else Work.of(shapes, self.bytes_accessed)
 
     def __add__(self, other: Work) -> Work:
         assert bool(self.shapes) == bool(other.shapes) or not (self.flops_total and other.flops_total), \

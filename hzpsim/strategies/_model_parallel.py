@@ -33,7 +33,8 @@ Communication per layer and micro-batch (docs/strategies.md §2.7, §2.8):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -700,6 +701,21 @@ class UnitPass:
 
     def forward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
         """Forward of ``unit`` (the ``index``-th of the schedule's units) after ``incoming``."""
+        with self._micro_batch(step, mb):
+            return self._forward(unit, index, step, mb, incoming)
+
+    @contextmanager
+    def _micro_batch(self, step: int, mb: int) -> Iterator[None]:
+        """The compute emitted inside runs micro-batch ``mb`` of ``step`` (its lengths:
+        ``_sharded.attach_lengths``)."""
+        emit = self.unit_emit.emit
+        emit.batch = (step, mb)
+        try:
+            yield
+        finally:
+            emit.batch = None
+
+    def _forward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
         deps = [incoming, *(d for s in self.sharded for d in s.forward_deps(step, mb, index))]
         deps = self._copies(unit, index, "fwd", step, mb, deps)
         memory = self.memory[index]
@@ -709,6 +725,10 @@ class UnitPass:
         return last
 
     def backward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
+        with self._micro_batch(step, mb):
+            return self._backward(unit, index, step, mb, incoming)
+
+    def _backward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
         loss = self.unit_emit.loss_backward(unit, f"{unit.name}.mb{mb}", [incoming], step)
         if loss is not None:
             incoming = loss
@@ -731,14 +751,16 @@ class UnitPass:
     def forward_merged(self, unit: MPUnit, step: int, mb: int, incoming: Ids | None) -> Ids:
         """Forward of a merged unit (:func:`merge_units`: no parameters, so no sharding hooks)."""
         memory = unit.activation_memory
-        return self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", [incoming], step, memory.forward_alloc,
-                                      memory.forward_free)
+        with self._micro_batch(step, mb):
+            return self.unit_emit.forward(unit, f"{unit.name}.mb{mb}", [incoming], step, memory.forward_alloc,
+                                          memory.forward_free)
 
     def backward_merged(self, unit: MPUnit, step: int, mb: int, incoming: Ids | None) -> Ids:
         memory = unit.activation_memory
-        loss = self.unit_emit.loss_backward(unit, f"{unit.name}.mb{mb}", [incoming], step)
-        return self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", [loss or incoming], step, memory.backward_alloc,
-                                       memory.backward_free)
+        with self._micro_batch(step, mb):
+            loss = self.unit_emit.loss_backward(unit, f"{unit.name}.mb{mb}", [incoming], step)
+            return self.unit_emit.backward(unit, f"{unit.name}.mb{mb}", [loss or incoming], step,
+                                           memory.backward_alloc, memory.backward_free)
 
     def reduce(self, step: int, end_of_backward: Ids) -> list[Ids | None]:
         """The step-end gradient reductions (with the end of the backward: what the gradient-norm

@@ -30,12 +30,48 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
+from hzpsim.model.kernels import packed
 from hzpsim.model.ops import HOST_STREAM, MemoryDelta, OpGraph, Ranks, memory_delta
+from hzpsim.model.sequences import effective_tokens
 from hzpsim.model.training import Training
 from hzpsim.strategies._implementations import IDEAL, Implementation
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
 
 Ids = dict[int, int]  # lane (simulated rank) -> op id
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """The drawn document lengths of a run with variable-length sequences
+    (``model/sequences.py``): ``tokens[step, micro-batch, data-parallel rank]`` is the
+    token-weighted mean piece length a rank's micro-batch attends over, ``data_rank`` the
+    data-parallel index of each simulated lane (whose micro-batches it runs)."""
+
+    tokens: object  # numpy array [steps, micro-batches, dp]
+    seq_len: int
+    data_rank: dict[int, int]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return int(self.tokens.shape[1])  # type: ignore[attr-defined]
+
+
+def attach_lengths(emit: Emitter, training: Training, seq_len: int, data_rank: dict[int, int], dp: int,
+                   data_stride: int, num_micro_batches: int) -> None:
+    """With variable-length sequences (``training.varying_lengths``), draw every step's lengths,
+    give them to ``emit`` (each lane's attention then runs its own rank's documents) and record
+    them in the graph's meta for the engine, which makes ranks that synchronise wait for the
+    slowest (``sim/engine.py``, ``sequence_lengths``): the data-parallel index of device d is
+    (d // ``data_stride``) % ``dp``."""
+    spec = training.varying_lengths
+    if spec is None:
+        return
+    tokens = effective_tokens(spec, seq_len, dp, num_micro_batches, training.micro_batch_size, training.num_steps)
+    emit.lengths = Lengths(tokens, seq_len, data_rank)
+    emit.graph.meta["sequence_lengths"] = {
+        "seq_len": seq_len, "dp": dp, "data_stride": data_stride, "num_micro_batches": num_micro_batches,
+        "effective_tokens": [[float(x) for x in row] for row in tokens.reshape(-1, dp)],
+    }
 
 
 @dataclass(frozen=True)
@@ -195,6 +231,9 @@ class Emitter:
         self._lane_set = set(lanes)
         self.implementation = implementation
         self.last_compute: Ids = {}  # the latest device compute op of each lane, in program order
+        self.lengths: Lengths | None = None  # variable-length sequences (attach_lengths)
+        self.batch: tuple[int, int] | None = None  # (step, micro-batch) whose compute is being emitted
+        self._packed: dict[tuple[int, float, float], tuple[tuple, Work]] = {}
         self._launch_s: dict[tuple[float, tuple[tuple[int, int], ...]], float] = {}  # host time of a launch
 
     def host(self, name: str, seconds: float, step: int, sync: Sequence[Ids | None] = ()) -> Ids | None:
@@ -277,10 +316,35 @@ class Emitter:
             sources.append(launch)
         graph, flops, shapes, bytes_accessed = self.graph, work.op_flops, work.shapes, work.bytes_accessed
         taken, released = memory_delta(alloc), memory_delta(free)
-        ids = {lane: graph.compute(lane, name, category, flops, [d.get(lane) for d in sources], bytes_accessed,
-                                   alloc=taken, free=released, step=step, shapes=shapes)
-               for lane in self.lanes}
+        if self.lengths is not None and self.batch is not None and (work.attention_forward or work.attention_backward):
+            ids = self._varying(name, category, work, sources, step, taken, released)
+        else:
+            ids = {lane: graph.compute(lane, name, category, flops, [d.get(lane) for d in sources], bytes_accessed,
+                                       alloc=taken, free=released, step=step, shapes=shapes)
+                   for lane in self.lanes}
         self.last_compute = ids
+        return ids
+
+
+    def _varying(self, name: str, category: str, work: Work, sources: list[Ids], step: int,
+                 taken: MemoryDelta, released: MemoryDelta) -> Ids:
+        """``compute`` of work with attention under variable-length sequences: each lane's
+        attention over its own rank's documents, the op tagged with its micro-batch."""
+        assert self.lengths is not None and self.batch is not None
+        lengths, (at_step, mb) = self.lengths, self.batch
+        batch = at_step * lengths.num_micro_batches + mb
+        ids: Ids = {}
+        for lane in self.lanes:
+            tokens = float(lengths.tokens[at_step, mb, lengths.data_rank[lane]])  # type: ignore[index]
+            key = (id(work.shapes), work.bytes_accessed, tokens)
+            cached = self._packed.get(key)
+            if cached is None or cached[0] is not work.shapes:
+                cached = self._packed[key] = (work.shapes, Work.of(packed(work.shapes, lengths.seq_len, tokens),
+                                                                   work.bytes_accessed))
+            lane_work = cached[1]
+            ids[lane] = self.graph.compute(lane, name, category, lane_work.op_flops, [d.get(lane) for d in sources],
+                                           lane_work.bytes_accessed, alloc=taken, free=released, step=step,
+                                           shapes=lane_work.shapes, batch=batch)
         return ids
 
 

@@ -250,3 +250,25 @@ def test_megatron_profiles_run_their_frameworks_kernels_without_being_told():
     resolved = run_choice(sc, sc.strategies[0])["training_resolved"]
     assert resolved["attention_kernel"] == "cudnn" and resolved["fused_kernels"] is True
     assert resolved["micro_batch_size"] == 2 and resolved["global_batch_size"] == 16
+
+
+def test_nemo_runs_the_distributed_optimizer_unless_told():
+    """``zero_stage`` unset is the framework's default: NeMo's Megatron-Bridge recipes turn the
+    distributed optimizer on (zero_stage 1), Megatron-LM needs the flag (0). The report says
+    which, and simulates exactly what the stated stage would."""
+    def report(strategy: dict) -> dict:
+        sc = scenario_from_mapping({"model": "llama3-8b", "cluster": {"preset": "dgx-h100", "num_nodes": 2},
+                                    "training": {"global_batch_size": 32},
+                                    "strategy": {"name": "nd", "tp": 2, "pp": 2, **strategy}})
+        return run_choice(sc, sc.strategies[0])
+
+    for implementation, stage in (("megatron-bridge", 1), ("megatron-core", 0), ("megatron-2021", 0)):
+        r = report({"implementation": implementation})
+        assert r["strategy_resolved"]["zero_stage"] == stage, implementation
+        stated = report({"implementation": implementation, "zero_stage": stage})
+        assert r["step_time_s"] == stated["step_time_s"]
+        assert r["peak_memory_allocated_bytes"] == stated["peak_memory_allocated_bytes"]
+    # a stated stage wins, and the distributed optimizer's shards hold less
+    plain = report({"implementation": "megatron-bridge", "zero_stage": 0})
+    assert plain["strategy_resolved"]["zero_stage"] == 0
+    assert report({"implementation": "megatron-bridge"})["peak_memory_allocated_bytes"] < plain["peak_memory_allocated_bytes"]

@@ -192,7 +192,7 @@ def _layout_of(name: str, config: Any) -> tuple[str, Layout]:
     if name == "nd":
         if get("cp", 1) != 1 or get("ep", 1) != 1 or get("etp", 1) != 1:
             raise ScenarioError("strategy: the executor's ND runs tp, pp, vpp and dp only (no cp/ep)")
-        if get("zero_stage", 0) != 0:
+        if get("sharding_stage", 0) != 0:  # zero_stage, or the implementation's default when unset
             raise ScenarioError("strategy.zero_stage: the executor's ND runs plain data parallelism (0)")
         if get("tp", 1) > 1 and not get("sequence_parallel", False):
             raise ScenarioError("strategy.sequence_parallel: the executor's TP always uses sequence parallelism")
@@ -247,6 +247,9 @@ def run_specs(scenario: Any, world_size: int, **overrides: Any) -> list[RunSpec]
         raise ScenarioError("training.precision: the executor runs fp32 with fp32 gradients (set precision: fp32)")
     if training.activation_recompute != "none":
         raise ScenarioError("training.activation_recompute: the executor runs without recompute (none)")
+    if training.varying_lengths is not None:
+        raise ScenarioError("training.sequence_lengths: the executor runs whole rows (fixed); it has no "
+                            "per-document attention masks")
     if scenario.model.dropout:
         raise ScenarioError("model.dropout: the executor trains without dropout (set model.dropout: false)")
     specs = []

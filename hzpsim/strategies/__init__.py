@@ -106,7 +106,8 @@ def as_simulated(config: Any) -> Any:
     (``_implementations.Implementation``): a profile that forces the gradient-reduction overlap
     on or off (``grad_reduce_overlap``: Megatron 2021 reduces after the backward) sets
     ``overlap_grad_reduce``, and one that keeps fewer gathers in flight (``max_prefetch_depth``)
-    caps ``prefetch_depth``; an unset ``moe_dispatcher`` is the profile's. The simulation reads them through the profile already
+    caps ``prefetch_depth``; an unset ``moe_dispatcher`` is the profile's, and an unset ``zero_stage``
+    the profile's (``distributed_optimizer``: 1, else 0). The simulation reads them through the profile already
     (``_sharded.Schedule.effective_*``), so this changes what ``strategy_resolved`` says, not
     what is simulated."""
     from hzpsim.strategies import _implementations
@@ -124,6 +125,8 @@ def as_simulated(config: Any) -> Any:
         changes["moe_dispatcher"] = profile.moe_dispatcher  # the MoE layers' dispatcher unless set
     if "moe_grouped_gemm" in fields and plugin_config.moe_grouped_gemm is None:
         changes["moe_grouped_gemm"] = profile.moe_grouped_gemm
+    if "zero_stage" in fields and plugin_config.zero_stage is None:  # nd: the framework's default
+        changes["zero_stage"] = 1 if profile.distributed_optimizer else 0
     if "prefetch_depth" in fields:
         changes["prefetch_depth"] = min(plugin_config.prefetch_depth, profile.max_prefetch_depth)
     return dataclasses.replace(config, **changes) if changes else config

@@ -229,6 +229,14 @@ class Implementation:
     (``_model_parallel``: the dispatchers): Megatron-Core's own default is ``allgather``
     (``megatron/core/transformer/transformer_config.py``: ``moe_token_dispatcher_type =
     "allgather"``); torchtitan, DeepSpeed-MoE and the NeMo recipes exchange with all-to-all."""
+    distributed_optimizer: bool = False
+    """An ND run whose ``zero_stage`` is not given shards its optimizer states over the
+    data-parallel group (``zero_stage`` 1). Megatron-LM needs the flag: ``--use-distributed-optimizer``
+    is ``action='store_true'`` (megatron/training/arguments.py@d98e8a64) and
+    ``DistributedDataParallelConfig.use_distributed_optimizer`` defaults to False
+    (megatron/core/distributed/distributed_data_parallel_config.py); NeMo's Megatron-Bridge
+    recipes turn it on (src/megatron/bridge/recipes/common.py@067f987d::_pretrain_common:
+    ``DistributedDataParallelConfig(..., use_distributed_optimizer=True)``)."""
     moe_grouped_gemm: bool = True
     """An MoE layer's local experts run as one grouped GEMM per linear (Megatron-Core
     ``experts.py::TEGroupedMLP`` / ``GroupedMLP``, torchtitan ``torch._grouped_mm``). False: one
@@ -464,9 +472,10 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "megatron-bridge": Implementation(
         name="megatron-bridge", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
-        attention_kernel_on=(("h100", "cudnn"),),
+        attention_kernel_on=(("h100", "cudnn"),), distributed_optimizer=True,
         source=f"{_MEG}@d98e8a64 (megatron-core's collectives) as NVIDIA-NeMo/Megatron-Bridge@067f987d "
-               "recipes configure MoE models: src/megatron/bridge/recipes/{{deepseek,qwen,...}}: "
+               "recipes configure them: src/megatron/bridge/recipes/common.py::_pretrain_common "
+               "(use_distributed_optimizer=True); MoE models: src/megatron/bridge/recipes/{{deepseek,qwen,...}}: "
                "moe_token_dispatcher_type 'alltoall', moe_grouped_gemm True, moe_permute_fusion True",
     ),
     "torchtitan": Implementation(

@@ -88,13 +88,13 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     comm = [run_sum("comm_s", j) for j in range(len(spans))]
     acts = [run_sum("activation_bytes", j) for j in range(len(spans))]
     dense_dp = lay.dp * cfg.cp
-    sizes = nd.sharding_sizes(cfg.zero_stage, dense_dp)
+    sizes = nd.sharding_sizes(cfg.sharding_stage, dense_dp)
     ps, gs, os_ = sizes
     # expert parameters shard the same way over their expert-data-parallel group
     # (hardware.placement.expert_placement: n / (etp · ep · pp) ranks)
     moe = bounder.model.moe is not None
     expert_dp = n // (cfg.ep * cfg.etp * p) if moe else 1
-    expert_sizes = nd.sharding_sizes(cfg.zero_stage, expert_dp)
+    expert_sizes = nd.sharding_sizes(cfg.sharding_stage, expert_dp)
     block = cfg.tp * cfg.cp * lay.dp
     last = _last_action(bounder, p, v, m)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch

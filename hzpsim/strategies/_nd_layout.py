@@ -29,7 +29,7 @@ def schedule(config: Any) -> Schedule:
     across micro-batches (``Implementation.pp_keeps_unsharded``: torchtitan) gathers once and
     reduces once per step."""
     implementation = _implementations.get(config.implementation)
-    keep = config.pp > 1 and config.zero_stage >= 2 and implementation.pp_keeps_unsharded
+    keep = config.pp > 1 and config.sharding_stage >= 2 and implementation.pp_keeps_unsharded
     return Schedule(prefetch_depth=config.prefetch_depth, reshard_after_forward=not keep, accumulate_unsharded=keep,
                     overlap_grad_reduce=config.overlap_grad_reduce, overlap_param_gather=config.overlap_param_gather,
                     implementation=implementation)

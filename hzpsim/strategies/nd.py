@@ -41,7 +41,7 @@ from hzpsim.strategies._nd_layout import (  # noqa: F401 (the plugin's layout, r
     sharding_sizes,
     stage_layers,
 )
-from hzpsim.strategies._sharded import Emitter, Ids, Schedule, Use, grad_norm
+from hzpsim.strategies._sharded import Emitter, Ids, Schedule, Use, attach_lengths, grad_norm
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ class Config:
     etp: int = 1  # expert tensor-parallel size
     vpp: int = 1  # interleaved model chunks per pipeline rank (virtual pipeline)
     sequence_parallel: bool = False  # Megatron's --sequence-parallel
-    zero_stage: Literal[0, 1, 2, 3] = 0  # sharding over the data-parallel group (1 = distributed optimizer)
+    zero_stage: Literal[0, 1, 2, 3] | None = None  # sharding over the data-parallel group (1 = distributed
+    # optimizer); None = the implementation's default (megatron-bridge, NeMo's recipes: 1; else 0)
     tp_comm_overlap: float = 0.0  # fraction of TP communication hidden behind compute (0 = Megatron default)
     tp_comm_overlap_backward: bool = True  # the backward's TP transfers overlap too (TE's userbuffers);
     # false: forward only, as PyTorch's async TP (forward +29 %, end to end +8 %)
@@ -75,6 +76,13 @@ class Config:
         _implementations.get(self.implementation)
         dims(self)  # the degrees and the schedule check their own fields
         schedule(self)
+
+    @property
+    def sharding_stage(self) -> int:
+        """``zero_stage`` as simulated: the implementation's default when unset."""
+        if self.zero_stage is not None:
+            return self.zero_stage
+        return 1 if _implementations.get(self.implementation).distributed_optimizer else 0
 
 
 def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
@@ -192,7 +200,7 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
     bounds[-1].append(len(units) - 1)
     plan = replace(plan, implementation=plan.implementation.on_device(topology.device))  # measured host costs
     stages = [_Stage(graph=graph, lanes=lanes, rank=s, lay=lay, bounds=bounds, units=units, training=training,
-                     schedule=plan, zero_stage=config.zero_stage)
+                     schedule=plan, zero_stage=config.sharding_stage, seq_len=model.seq_len)
               for s, lanes in enumerate(stage_lanes)]
     sends: dict[tuple[str, int, int], Ids] = {}  # (direction, virtual stage, micro-batch) -> send op ids
     for step in range(training.num_steps):
@@ -221,7 +229,7 @@ class _Stage:
     and backward passes over its model chunks, the point-to-point sends between chunks."""
 
     def __init__(self, *, graph: OpGraph, lanes: list[int], rank: int, lay: Layout, bounds: list[list[int]],
-                 units: list[MPUnit], training: Training, schedule: Schedule, zero_stage: int) -> None:
+                 units: list[MPUnit], training: Training, schedule: Schedule, zero_stage: int, seq_len: int) -> None:
         d = lay.dims
         self.graph, self.lanes, self.rank, self.lay = graph, lanes, rank, lay
         self.p, self.v, self.m = d.pp, d.vpp, lay.num_micro_batches
@@ -230,6 +238,8 @@ class _Stage:
         self.local = [u for chunk in self.chunks for u in chunk]
         self.index = {u: i for i, u in enumerate(self.local)}
         self.emit = Emitter(graph, lanes, schedule.implementation)
+        attach_lengths(self.emit, training, seq_len, {lane: lay.placement.coord(lane)["dp"] for lane in lanes}, lay.dp,
+                       d.tp * d.cp, self.m)
         self.actions = pipeline_actions(self.p, self.v, self.m, rank)
         uses: list[Use] = []
         for step in range(training.num_steps):
@@ -378,10 +388,8 @@ def from_published(run: PublishedRun) -> tuple[dict, list[str]]:
     """A published ND run (or FSDP composed with model parallelism, from zero)."""
     notes: list[str] = []
     zs = run.zero_stage
-    if zs is None:
-        # Megatron-Core / NeMo / Megatron-Bridge recipes use the distributed optimizer
-        zs = 1 if any(k in run.system for k in ("megatron-core", "nemo", "megatron-bridge")) else 0
-        notes.append(f"zero_stage blank -> {zs} ({'distributed optimizer, NeMo/MCore default' if zs else 'plain DP'})")
+    if zs is None:  # the implementation profile's default (Implementation.distributed_optimizer)
+        notes.append("zero_stage blank -> the implementation's default")
     vpp = run.column("vpp") or 1
     return {
         "name": "nd",

@@ -451,3 +451,18 @@ def test_source_weighted_median_counts_each_source_once():
     assert summary["cv_median_abs_error"] == pytest.approx(0.01)
     assert summary["cv_median_abs_error_source_weighted"] == pytest.approx(0.20)
     assert summary["test_split"]["num_rows"] == 1 and summary["test_split"]["sources"] == ["S03", "S08", "S22"]
+
+
+def test_hsdp_rows_map_to_hsdp():
+    """A row of family ``hsdp`` maps to the hsdp strategy at its sharding group; one group of the
+    whole data-parallel group is FSDP (zero stage 3); no group, or HSDP with TP, is skipped
+    naming the column."""
+    hsdp = case_from_row(_row(strategy_family="hsdp", sharding_group="8"), 0)
+    assert hsdp.skip_reason is None
+    assert hsdp.scenario_mapping["strategy"]["name"] == "hsdp"
+    assert hsdp.scenario_mapping["strategy"]["shard_group_size"] == 8
+    whole = case_from_row(_row(strategy_family="hsdp", sharding_group="16"), 1)
+    assert whole.scenario_mapping["strategy"]["name"] == "zero" and whole.scenario_mapping["strategy"]["stage"] == 3
+    assert case_from_row(_row(strategy_family="hsdp", sharding_group=""), 2).skip_reason.startswith("sharding_group")
+    assert case_from_row(_row(strategy_family="hsdp", sharding_group="8", tp=2.0, dp=8.0),
+                         3).skip_reason.startswith("strategy_family")

@@ -66,12 +66,20 @@ DEFAULT_RUNS: tuple[dict, ...] = ({},)
 FRAMEWORK_IMPLEMENTATIONS = {"deepspeed": "deepspeed", "torchtitan": "fsdp2", "llm-foundry": "llm-foundry", "fsdp": "fsdp1",
                              "fairscale": "fsdp1"}
 VALIDATION_REGIMES = {"": "HSDP"}
+PUBLISHED_FAMILIES: dict[str, tuple[str, ...]] = {"hsdp": ("sharding_group",)}
 
 
 def from_published(run: PublishedRun) -> tuple[dict, list[str]]:
-    """A published FSDP run whose sharding group is smaller than its data-parallel group
-    (zero.from_published hands it over)."""
+    """A published HSDP run (``strategy_family: hsdp``), or an FSDP run whose sharding group is
+    smaller than its data-parallel group (zero.from_published hands it over). A shard group
+    of the whole data-parallel group is plain FSDP (ZeRO-3); HSDP composed with TP/PP/CP/EP
+    has no hzpsim strategy (nd's sharding is over the whole data-parallel group)."""
     sg = run.sharding_group
-    if sg is None or run.dp % sg:
+    if run.tp > 1 or run.pp > 1 or run.cp > 1 or run.ep > 1:
+        raise ValueError("strategy_family: HSDP composed with tp/pp/cp/ep is not modelled (nd shards over "
+                         "the whole data-parallel group)")
+    if sg is None or sg < 1 or run.dp % sg:
         raise ValueError(f"sharding_group: {sg} does not divide dp {run.dp}")
+    if sg == run.dp:
+        return {"name": "zero", "stage": 3}, [f"hsdp with sharding_group = dp = {sg} -> zero stage 3"]
     return {"name": "hsdp", "shard_group_size": sg}, []

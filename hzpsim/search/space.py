@@ -21,7 +21,6 @@ from hzpsim.config import ScenarioError, from_mapping, to_mapping
 from hzpsim.model.ops import GraphError
 from hzpsim.model.training import Training
 from hzpsim.scenario import Scenario, StrategyChoice
-from hzpsim.strategies import _compression
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -59,7 +58,7 @@ class Space:
                 values.append(part)
             elif key == "grad_compression":
                 try:
-                    _compression.parse_option(part)
+                    strategies.grad_compression_option(part)
                 except ValueError as exc:
                     raise ScenarioError(f"--space {key}: {exc}") from None
                 values.append(part)

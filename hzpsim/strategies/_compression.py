@@ -13,7 +13,7 @@ per-micro-batch reduce-scatter) is replaced by what the compression method reall
   the ranks all-gather the (value, index) pairs and each rank scatter-adds them into a dense
   gradient (GRACE, Xu et al. 2021, ``grace_dl/dist/compressor/topk.py``: ``sparsify`` /
   ``desparsify``, with its ``allgather`` communicator; Shi et al. 2019, "Understanding Top-k
-  Sparsification in Distributed Deep Learning", arXiv 1911.08772, §2: top-k sparse gradients
+  Sparsification in Distributed Deep Learning", arXiv 1911.08772: top-k sparse gradients
   are aggregated with all-gather). Error feedback: the residual ``g - C(g)`` is kept and added
   to the next gradient (GRACE ``grace_dl/dist/memory/residual.py``; Stich et al. 2018).
 - ``powersgd``: per weight matrix M (n x m, ``tensor.view(n, -1)``) one power-iteration step
@@ -282,9 +282,9 @@ def proxy_error(unit: UnitCompression | None, shape: UnitShape) -> float:
     - powersgd's best rank-r approximation of an n x m matrix keeps at least r/min(n, m) of its
       energy (Eckart-Young-Mirsky: the r largest squared singular values are at least their
       average): error <= n m (1 - r/min(n, m)) per compressed matrix (one power iteration
-      with warm start approaches that best approximation; Vogels et al. 2019 §3);
+      with warm start approaches that best approximation; Vogels et al. 2019);
     - quantize to q bits: the uniform quantiser's mean squared error falls 4x per bit (6 dB per
-      bit; Gersho & Gray 1992, §5.4): error = x 4^-q, with q = ratio x 8 b.
+      bit; Gersho & Gray 1992): error = x 4^-q, with q = ratio x 8 b.
     """
     if unit is None:
         return 0.0

@@ -329,7 +329,7 @@ def _levels(method: str, ratio: float) -> list[float]:
 @functools.lru_cache(maxsize=256)
 def plan(compression: GradCompression, shapes: tuple[UnitShape, ...], b: float) -> CompressionPlan:
     """The units' compression: ``fixed``, every unit at ``ratio``; ``adaptive``, L-GreCo's
-    dynamic program (Markov et al. 2022, arXiv 2210.17357, §3): over the units' candidate
+    dynamic program (Markov et al. 2022, arXiv 2210.17357): over the units' candidate
     levels (:data:`ADAPTIVE_LEVELS`), the least total payload whose total proxy error
     (:func:`proxy_error`) stays within the uniform ``ratio``'s. So in adaptive mode ``ratio`` is
     the uniform reference: the plan moves at most its bytes with at most its error."""

@@ -192,7 +192,10 @@ def from_mapping(cls: type[T], data: Any, path: str = "") -> T:
 def to_mapping(obj: Any) -> Any:
     """The plain-data form of a config object (for JSON output and ``strategy_resolved``)."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {key_of(f): to_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        # a field marked ``omit_if_none`` is left out while unset (an optional feature added
+        # after the outputs that leave it off were recorded: strategy.grad_compression)
+        return {key_of(f): to_mapping(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("omit_if_none") and getattr(obj, f.name) is None)}
     if isinstance(obj, tuple | list):
         return [to_mapping(v) for v in obj]
     return obj

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hzpsim import strategies
-from hzpsim.config import ScenarioError, from_mapping
+from hzpsim.config import ScenarioError, from_mapping, to_mapping
 from hzpsim.model.ops import GraphError
 from hzpsim.model.training import Training
 from hzpsim.scenario import Scenario, StrategyChoice
@@ -41,6 +41,7 @@ class Space:
     micro_batch_size: tuple[int, ...] = (1, 2, 4)
     activation_recompute: tuple[str, ...] = RECOMPUTE
     group_sizes: tuple[int, ...] | None = None  # sharding group sizes; None = powers of two
+    grad_compression: tuple[str, ...] = ()  # METHOD:RATIO[:adaptive] tried with ddp and zero 1/2; () = none
 
     def replace(self, text: str) -> Space:
         """``KEY=V1,V2`` (``pp=1-16`` for a range), the ``--space`` syntax."""
@@ -54,6 +55,12 @@ class Space:
             if key == "activation_recompute":
                 if part not in RECOMPUTE:
                     raise ScenarioError(f"--space {key}: {part!r} is not one of {', '.join(RECOMPUTE)}")
+                values.append(part)
+            elif key == "grad_compression":
+                try:
+                    strategies.grad_compression_option(part)
+                except ValueError as exc:
+                    raise ScenarioError(f"--space {key}: {exc}") from None
                 values.append(part)
             elif key == "sequence_parallel":
                 if part.lower() not in ("true", "false"):
@@ -72,7 +79,8 @@ class Space:
                 values.extend(range(first, last + 1))
         if not values:
             raise ScenarioError(f"--space {key}: no values")
-        return dataclasses.replace(self, **{key: tuple(sorted(set(values), key=str if key == "activation_recompute" else None))})
+        order = str if key in ("activation_recompute", "grad_compression") else None
+        return dataclasses.replace(self, **{key: tuple(sorted(set(values), key=order))})
 
 
 def _space_keys() -> list[str]:
@@ -103,7 +111,7 @@ class Candidate:
     @functools.cached_property
     def key(self) -> str:
         """Stable identity and tie-breaker."""
-        return json.dumps([self.name, self.fields, self.micro_batch_size, self.activation_recompute])
+        return json.dumps([self.name, self.fields, self.micro_batch_size, self.activation_recompute], default=to_mapping)
 
     def strategy(self) -> dict[str, Any]:
         return {"name": self.name, **dict(self.fields)}
@@ -121,7 +129,10 @@ class Candidate:
     def overrides(self) -> list[str]:
         """``--set`` arguments that make ``hzpsim run`` simulate this candidate."""
         out = [f"strategy.name={self.name}"]
-        out += [f"strategy.{k}={json.dumps(v)}" for k, v in self.fields]
+        for k, v in self.fields:  # a nested setting (a dataclass: grad_compression) key by key
+            nested = to_mapping(v) if dataclasses.is_dataclass(v) else None
+            out += ([f"strategy.{k}.{kk}={json.dumps(vv)}" for kk, vv in nested.items()] if nested is not None
+                    else [f"strategy.{k}={json.dumps(v)}"])
         out += [f"training.micro_batch_size={self.micro_batch_size}",
                 f"training.activation_recompute={self.activation_recompute}"]
         return out

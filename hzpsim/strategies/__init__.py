@@ -293,3 +293,11 @@ def published_owner(family: str) -> tuple[ModuleType, tuple[str, ...]] | None:
         if family in families:
             return plugins()[name], tuple(families[family])
     return None
+
+
+def grad_compression_option(text: str) -> Any:
+    """A ``--space grad_compression=`` value (``METHOD:RATIO[:PER_LAYER]``) checked and parsed
+    (``_compression.parse_option``; ValueError naming the problem)."""
+    from hzpsim.strategies import _compression
+
+    return _compression.parse_option(text)

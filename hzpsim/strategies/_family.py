@@ -24,7 +24,8 @@ from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.ops import OpGraph
 from hzpsim.model.training import Training
-from hzpsim.strategies import compose_label
+from hzpsim.strategies import _compression, compose_label
+from hzpsim.strategies._compression import CompressionPlan, GradCompression
 from hzpsim.strategies._dims import NO_MODEL_PARALLELISM, ParallelDims
 from hzpsim.strategies._model_parallel import UnitPass, mp_units
 from hzpsim.strategies._sharded import (
@@ -55,6 +56,9 @@ class FamilyPlan:
     """The tp / cp / ep composed with the sharding (no pp: the family has no pipeline)."""
     keys: tuple[str, str, str] = ("param_group_size", "grad_group_size", "optim_group_size")
     """The member's config keys that set the param / grad / optim sizes (named in errors)."""
+    grad_compression: GradCompression | None = None
+    """Compression of the gradient reduction (``_compression``; ddp and zero stages 1/2). None
+    or ratio 1: none, and nothing of it is emitted."""
 
 
 def check(plan: FamilyPlan, model: Model, training: Training, topology: Topology) -> None:
@@ -68,6 +72,18 @@ def check(plan: FamilyPlan, model: Model, training: Training, topology: Topology
     secondary = plan.schedule.backward_gather_size
     if secondary and (secondary > plan.param_size or plan.param_size % secondary):
         raise ValueError(f"hpz_partition_size: {secondary} must divide the param group size {plan.param_size}")
+    compression = _compression.resolved(plan.grad_compression)
+    if compression is not None:
+        if plan.param_size > 1:
+            raise ValueError("grad_compression: not supported with sharded parameters (ZeRO stage 3): "
+                             "the gradient is reduce-scattered unit by unit into 1/N shards")
+        if model.moe is not None:
+            raise ValueError("grad_compression: MoE models are not supported (expert gradients are not compressed)")
+        if dims.tp > 1 or dims.cp > 1 or dims.ep > 1:
+            raise ValueError("grad_compression: only without model parallelism")
+        if plan.schedule.implementation.whole_buffer_step_reduce:
+            raise ValueError(f"grad_compression: not supported with implementation "
+                             f"{plan.schedule.implementation.name}'s one all-reduce of the whole gradient buffer")
     if dims.ep > 1 or dims.etp > 1:
         expert_world = dims.expert_world(n)
         NestedSharding(*_capped(sizes, expert_world), dp_groups=(range(expert_world),)).check(plan.keys)
@@ -97,7 +113,8 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
                    dims.tp * dims.cp, m)
     sizes = (plan.param_size, plan.grad_size, plan.optim_size)
     unit_pass = UnitPass(emit, dims, units, training, placement, experts, plan.schedule,
-                         flat_uses(training.num_steps, m, len(units)), lambda size: _capped(sizes, size), m)
+                         flat_uses(training.num_steps, m, len(units)), lambda size: _capped(sizes, size), m,
+                         compression_plan(plan, model, training, [u.name for u in units], [u.dense_params for u in units]))
     for step in range(training.num_steps):
         last: Ids | None = None
         for mb in range(m):
@@ -109,6 +126,16 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
         norm = grad_norm(emit, range(n), unit_pass.reduce(step, last), step)
         unit_pass.optimize(step, norm)
     return graph
+
+
+def compression_plan(plan: FamilyPlan, model: Model, training: Training, names: list[str],
+                     params: list[float]) -> CompressionPlan | None:
+    """The units' gradient compression (None when off: ratio 1 emits nothing)."""
+    compression = _compression.resolved(plan.grad_compression)
+    if compression is None:
+        return None
+    shapes = _compression.unit_shapes(model, names, params)
+    return _compression.plan(compression, shapes, float(training.grad_element_bytes))
 
 
 def simulated_lanes(topology: Topology, placement: Placement, expand: bool,

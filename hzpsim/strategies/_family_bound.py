@@ -10,6 +10,7 @@ slows). Why each holds: :class:`~hzpsim.strategies._bounds.BoundCache`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,17 +18,21 @@ from typing import Any
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
+from hzpsim.strategies import _compression
 from hzpsim.strategies._bounds import (
     Bound,
     BoundCache,
+    Costs,
+    DPUnit,
     norm_s,
     slowed,
     static_bytes,
     stream_sums,
     whole_buffer_s,
 )
-from hzpsim.strategies._family import FamilyPlan
+from hzpsim.strategies._family import FamilyPlan, compression_plan
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
+from hzpsim.strategies._sharded import NestedSharding
 
 
 def bound_of(plan_of: Callable[[Any, Topology], FamilyPlan]):
@@ -73,6 +78,9 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
     dp_group = range(0, n, deg.tp)
     num = len(unit_costs)
     dpu = bounder.dp_units(costs, unit_costs, 0, num, sizes, dp_group, training, schedule)
+    compressed_demand = None
+    if _compression.resolved(plan.grad_compression) is not None:
+        dpu, compressed_demand = _compressed(bounder, plan, training, unit_costs, dpu, costs, dp_group, m)
     impl = schedule.implementation
     copy = [costs.work_s(Work(bytes_accessed=2.0 * impl.copy_bytes_per_gathered_byte * u.dense_params
                                                   * training.param_element_bytes))
@@ -160,6 +168,8 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
     units_talk = m * sum(u.comm_s for u in unit_costs)
     demand = dict(bounder.sharded_demand(costs, [u.dense_params for u in unit_costs], m, sizes, dp_group,
                                          training, schedule))
+    for level, b in (compressed_demand or {}).items():  # the compressed reductions' bytes, not the plain ones'
+        demand[level] = max(demand.get(level, 0.0) + b, 0.0)
     for uc in unit_costs:
         for level, b in uc.link_bytes:
             demand[level] = demand.get(level, 0.0) + m * b
@@ -177,3 +187,56 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
     step = max(chain, slow)
     work = m * sum(u.forward_s + u.backward_s for u in unit_costs)
     return Bound(step, work + optimizer, units_talk, 0.0, memory, talking, slow > chain, head + tail + norm)
+
+
+def _compressed(bounder: BoundCache, plan: FamilyPlan, training: Training, unit_costs: list, dpu: list[DPUnit],
+                costs: Costs, dp_group: range, m: int) -> tuple[list[DPUnit], dict[str, float]]:
+    """The units' data-parallel collectives with gradient compression (``_sharded``'s
+    ``_compressed_reduce``): each compressed unit's reduction costs its method's collectives at
+    least (their isolated times), and the link demand changes by their bytes less the plain
+    reduction's. The compress and decompress kernels and the error-feedback memory are left
+    out: they only add, so the bound stays below the simulation."""
+    model = bounder.model
+    names = ["embed", *(f"layer{i}" for i in range(model.num_layers)), "head"]
+    assert len(names) == len(unit_costs), (len(names), len(unit_costs))
+    comp = compression_plan(plan, model, training, names, [u.dense_params for u in unit_costs])
+    assert comp is not None
+    p, g, o = plan.param_size, plan.grad_size, plan.optim_size
+    sharding = NestedSharding(p, g, o, (tuple(dp_group),))
+    replicas = len(dp_group) // o
+    role = "grad" if g > 1 else "step_rs" if o > g else "replica" if replicas > 1 else ""
+    if not role:
+        return dpu, {}
+    members = sharding.group_of(role, dp_group[0])[1]
+    n = len(members)
+    bg = training.grad_element_bytes
+    impl = plan.schedule.implementation
+    reduce_bytes = plan.schedule.grad_reduce_bytes_per_element or bg
+    per_step = m if role == "grad" else 1
+    demand: dict[str, float] = {}
+    out = []
+    for u, (uc, d) in enumerate(zip(unit_costs, dpu)):
+        unit = comp.units[u]
+        if unit is None or uc.dense_params <= 0:
+            out.append(d)
+            continue
+        calls = max(impl.reduce_calls(uc.tensors), 1)
+        if unit.method == "quantize":
+            chain = [("all_reduce" if role == "replica" else "reduce_scatter", unit.payload_bytes)]
+        elif unit.method == "topk":
+            chain = [("all_gather", n * unit.payload_bytes)]
+        else:
+            chain = [("all_reduce", unit.p_bytes), ("all_reduce", unit.q_bytes)]
+        seconds = sum(costs.collective_s(kind, size / calls, members, calls) for kind, size in chain)
+        for kind, size in chain:
+            costs.add_demand(demand, kind, size, members, per_step)
+        plain_kind, plain_size = {"grad": ("reduce_scatter", uc.dense_params * reduce_bytes),
+                                  "step_rs": ("reduce_scatter", uc.dense_params / g * bg),
+                                  "replica": ("all_reduce", uc.dense_params / o * bg)}[role]
+        plain: dict[str, float] = {}
+        costs.add_demand(plain, plain_kind, plain_size, members, per_step)
+        for level, b in plain.items():
+            demand[level] = demand.get(level, 0.0) - b
+        field = {"grad": "reduce", "step_rs": "step_rs", "replica": "replica_ar"}[role]
+        out.append(dataclasses.replace(d, **{field: seconds}))
+    return out, demand

@@ -45,6 +45,7 @@ from hzpsim.model.kernels import Attention, Gemm, Shape
 from hzpsim.model.ops import MemoryDelta, Ranks, memory_delta
 from hzpsim.model.training import Training
 from hzpsim.strategies import _moe
+from hzpsim.strategies._compression import CompressionPlan
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._implementations import Implementation, loss_bytes_per_logit
 from hzpsim.strategies._layers import Work, linear_gemms
@@ -659,7 +660,8 @@ class UnitPass:
 
     def __init__(self, emit: Emitter, dims: ParallelDims, units: Sequence[MPUnit], training: Training,
                  placement: Placement, experts: Placement, schedule: Schedule, uses: Sequence[Use],
-                 sizes: Callable[[int], tuple[int, int, int]], num_micro_batches: int) -> None:
+                 sizes: Callable[[int], tuple[int, int, int]], num_micro_batches: int,
+                 compression: CompressionPlan | None = None) -> None:
         def group_of(dim: str, rank: int) -> tuple[str, Ranks]:
             members = (experts if dim in ("ep", "etp") else placement).group(dim, rank)
             return f"{dim}.{members[0]}", members
@@ -672,7 +674,8 @@ class UnitPass:
         dense_groups = tuple(sorted({placement.group(("dp", "cp"), r) for r in emit.lanes}, key=first))
         self.sharded = [ShardedParams(emit, [u.dense_params for u in units], names, training,
                                       NestedSharding(*sizes(len(dense_groups[0])), dense_groups), schedule, uses,
-                                      unit_tensors=[u.tensors or (u.dense_params,) for u in units])]
+                                      unit_tensors=[u.tensors or (u.dense_params,) for u in units],
+                                      compression=compression)]
         if any(u.expert_params for u in units):
             expert_groups = tuple(sorted({experts.group("edp", r) for r in emit.lanes}, key=first))
             self.sharded.append(ShardedParams(

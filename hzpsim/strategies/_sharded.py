@@ -34,6 +34,7 @@ from hzpsim.model.kernels import packed
 from hzpsim.model.ops import HOST_STREAM, MemoryDelta, OpGraph, Ranks, memory_delta
 from hzpsim.model.sequences import effective_tokens
 from hzpsim.model.training import Training
+from hzpsim.strategies._compression import CompressionPlan
 from hzpsim.strategies._implementations import IDEAL, Implementation
 from hzpsim.strategies._layers import Work, optimizer_bytes_per_param
 
@@ -361,7 +362,8 @@ class ShardedParams:
 
     def __init__(self, emit: Emitter, unit_params: Sequence[float], unit_names: Sequence[str],
                  training: Training, sharding: NestedSharding, schedule: Schedule,
-                 uses: Sequence[Use], tag: str = "", unit_tensors: Sequence[Sequence[float]] | None = None) -> None:
+                 uses: Sequence[Use], tag: str = "", unit_tensors: Sequence[Sequence[float]] | None = None,
+                 compression: CompressionPlan | None = None) -> None:
         self.emit, self.training, self.sharding, self.schedule = emit, training, sharding, schedule
         self.params = list(unit_params)
         # the tensors of each unit (elements): the implementation's collective calls per pass
@@ -424,6 +426,16 @@ class ShardedParams:
             for lane in emit.lanes:
                 emit.graph.add_cached(lane, stranded)
         self.dynamic_buffers = not schedule.fixed_buffers
+        # gradient compression (_compression.py): the reduction it replaces, its held state
+        self.compression = compression
+        self.compressed_role = ("grad" if g > 1 else "step_rs" if o > g else "replica" if self.replicas > 1 else "")
+        if compression is not None and self.compressed_role:
+            static["buffers"] = static.get("buffers", 0.0) + compression.static_bytes()
+        else:
+            self.compression = None
+        self.compress_ids: dict[int, Ids] = {}  # unit -> its compress kernel, awaiting the collective
+        self.tails: list[tuple[int, int, Ids]] = []  # (unit, step, first collective) awaiting their tail
+        self.tail_ids: list[Ids] = []  # the decompress kernels the step's gradient norm waits for
         for lane in emit.lanes:
             emit.graph.add_static(lane, static)
         # every use needs a gather when parameters are sharded (the backward reuses the
@@ -586,7 +598,14 @@ class ShardedParams:
                 self.pending[u] = ids
             return
         done = ids
-        if self.g > 1 and self.params[u]:
+        compressing = self.compression is not None and self.compression.units[u] is not None and bool(self.params[u])
+        if compressing and (self.g > 1 or last_mb):
+            done = self._compress(u, step, ids)
+        if compressing and self.g > 1:
+            done = self._compressed_reduce(u, "grad", self.schedule.stream("rs"), [done], step,
+                                           f"{self.names[u]}.mb{mb}", free=self.backward_alloc(u))
+            self.scatters.append(done)
+        elif self.g > 1 and self.params[u]:
             calls = self.reduce_calls[u]
             sync = self.scatters[-1:] if self.schedule.implementation.sync_after_reduce else []
             done = self.emit.collective(
@@ -597,6 +616,8 @@ class ShardedParams:
             self.scatters.append(done)
         if last_mb:
             self.final_grads[u] = done
+        if self.compression is not None and self.g > 1 and u == 0:
+            self.tail_ids += self._flush(step)  # the micro-batch's backward ended: its decompressions
 
     def reduce_step(self, step: int, end_of_backward: Ids) -> list[Ids]:
         """Step-end reductions per unit (overlapping the backward unless told otherwise)."""
@@ -628,20 +649,103 @@ class ShardedParams:
         for u in sorted(self.final_grads, reverse=True):
             done = self.final_grads[u]
             calls = self.reduce_calls[u]
-            if self.params[u] and self.o > self.g:
+            compressing = self.compression is not None and self.compression.units[u] is not None
+            if self.params[u] and compressing and self.compressed_role in ("step_rs", "replica"):
+                done = self._compressed_reduce(u, self.compressed_role, stream, [done, wait], step, self.names[u])
+            elif self.params[u] and self.o > self.g:
                 done = self.emit.collective(
                     "reduce_scatter", self.instances["step_rs"],
                     self.params[u] / self.g * self.grad_element_bytes / calls,
                     f"rs_step.{self.names[u]}", "grad_reduce", stream, [done, wait], step, count=calls,
                 )
-            if self.params[u] and self.replicas > 1:
+            if self.params[u] and self.replicas > 1 and not (compressing and self.compressed_role == "replica"):
                 done = self.emit.collective(
                     "all_reduce", self.instances["replica"], self.params[u] / self.o * self.grad_element_bytes / calls,
                     f"ar.{self.names[u]}", "grad_reduce", stream, [done, wait], step, count=calls,
                 )
             reduced.append(done)
         self.final_grads = {}
+        if self.compression is not None:
+            reduced += self._flush(step) + self.tail_ids
+            self.tail_ids = []
         return reduced
+
+    # ------------------------------------------------------------------ gradient compression
+
+    def _compress(self, u: int, step: int, after: Ids) -> Ids:
+        """The compress kernel of unit ``u`` right after its backward (compute stream), taking
+        the buffers that live until its decompression."""
+        assert self.compression is not None
+        unit = self.compression.units[u]
+        assert unit is not None
+        group = self.sharding.size(self.compressed_role)
+        held = unit.transient_bytes(group)
+        return self.emit.compute(f"compress.{self.names[u]}", "backward", unit.compress_work(), [after], step,
+                                 alloc={"buffers": held}, kernels=unit.kernels("compress"))
+
+    def _compressed_reduce(self, u: int, role: str, stream: str, deps: Sequence[Ids | None], step: int,
+                           label: str, free: float = 0.0) -> Ids:
+        """The method's first collective in place of the unit's reduction over ``role``; the
+        rest (PowerSGD's second all-reduce, the decompress kernels) waits in :attr:`tails`."""
+        assert self.compression is not None
+        unit = self.compression.units[u]
+        assert unit is not None
+        calls, group = self.reduce_calls[u], self.sharding.size(role)
+        instances = self.instances[role]
+        if unit.method == "quantize":
+            kind = "all_reduce" if role == "replica" else "reduce_scatter"
+            size = unit.payload_bytes
+        elif unit.method == "topk":  # every rank's (value, index) pairs to every rank
+            kind, size = "all_gather", group * unit.payload_bytes
+        else:
+            kind, size = "all_reduce", unit.p_bytes
+        # quantize and topk: the cast copy and the pairs are let go as the collective ends (the
+        # hooks decompress in the collective's callback; here the decompress kernel runs after
+        # the backward, and holding them until then would overstate the peak)
+        if unit.method != "powersgd":
+            free += unit.transient_bytes(group)
+        first = self.emit.collective(kind, instances, size / calls, f"{unit.method}.{kind}.{label}", "grad_reduce",
+                                     stream, deps, step, free=free, count=calls)
+        self.tails.append((u, step, first))
+        return first
+
+    def _flush(self, step: int) -> list[Ids]:
+        """The waiting units' tails, after the backward on the compute stream: PowerSGD's
+        orthogonalisation and Q = Mᵀ P, then its Q all-reduces, then every decompress kernel."""
+        assert self.compression is not None
+        pending, self.tails = self.tails, []
+        last: dict[int, Ids] = {}
+        for u, s, first in pending:
+            last[u] = first
+            unit = self.compression.units[u]
+            assert unit is not None
+            if unit.method == "powersgd":
+                last[u] = self.emit.compute(f"powersgd.q.{self.names[u]}", "backward", unit.middle_work(), [first], s,
+                                            kernels=unit.kernels("middle"))
+        role = self.compressed_role
+        stream = self.schedule.stream("rs" if role == "grad" else "dp")
+        for u, s, _ in pending:
+            unit = self.compression.units[u]
+            assert unit is not None
+            if unit.method == "powersgd":
+                calls = self.reduce_calls[u]
+                last[u] = self.emit.collective("all_reduce", self.instances[role], unit.q_bytes / calls,
+                                               f"powersgd.all_reduce_q.{self.names[u]}", "grad_reduce", stream,
+                                               [last[u]], s, count=calls)
+        out = []
+        group = self.sharding.size(role)
+        # a reduce-scatter's (ZeRO) result is the rank's 1/N shard: quantize and topk decompress only
+        # that; PowerSGD rebuilds the whole matrix (its error feedback needs it)
+        fraction = 1.0 / group if role != "replica" else 1.0
+        for u, s, _ in pending:
+            unit = self.compression.units[u]
+            assert unit is not None
+            out.append(self.emit.compute(f"decompress.{self.names[u]}", "backward",
+                                         unit.decompress_work(group, fraction),
+                                         [last[u]], s,
+                                         free={"buffers": unit.transient_bytes(group)} if unit.method == "powersgd" else None,
+                                         kernels=unit.kernels("decompress")))
+        return out
 
     def optimize(self, step: int, deps: Sequence[Ids | None]) -> Ids:
         """The optimizer on this lane set's shard, then the step-end parameter all-gathers."""

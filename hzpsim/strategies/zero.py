@@ -18,13 +18,22 @@ Model states use the DeepSpeed/Megatron layout (bf16 working copy, ``grad_dtype`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
-from hzpsim.strategies import PublishedRun, _family, _family_bound, _implementations, compose_label
+from hzpsim.strategies import (
+    PublishedRun,
+    _compression,
+    _family,
+    _family_bound,
+    _implementations,
+    compose_label,
+)
+from hzpsim.strategies._compression import GradCompression
 from hzpsim.strategies._sharded import Schedule
 
 
@@ -36,10 +45,15 @@ class Config:
     overlap_grad_reduce: bool = True  # stages 1/2: step-end reduction overlaps the backward
     overlap_param_gather: bool = False  # stages 1/2: next forward waits per unit (Megatron) or for all (DeepSpeed)
     implementation: str = "deepspeed"  # how the framework runs it (strategies/_implementations.py)
+    # stages 1/2: compression of the gradient reduction (strategies/_compression.py, docs/compression.md); None = off
+    grad_compression: GradCompression | None = field(default=None, metadata={"omit_if_none": True})
 
     def validate(self) -> None:
         _implementations.get(self.implementation)
         schedule(self)  # the schedule checks its own fields
+        if self.grad_compression is not None and self.stage == 3:
+            raise ValueError("grad_compression: not supported with stage 3 (parameters sharded: the gradient is "
+                             "reduce-scattered unit by unit into 1/N shards); use stage 1 or 2")
 
 
 def schedule(config: Config) -> Schedule:
@@ -55,10 +69,16 @@ def schedule(config: Config) -> Schedule:
 def plan(config: Config, topology: Topology) -> _family.FamilyPlan:
     n = topology.num_devices
     p, g, o = {1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[config.stage]
-    return _family.FamilyPlan(param_size=p, grad_size=g, optim_size=o, schedule=schedule(config))
+    return _family.FamilyPlan(param_size=p, grad_size=g, optim_size=o, schedule=schedule(config),
+                              grad_compression=config.grad_compression)
 
 
 check, build = _family.delegates(plan)
+
+
+def resolve(config: Config, topology: Topology) -> Config:
+    """The config as simulated: ``grad_compression`` with ratio 1 is none."""
+    return dataclasses.replace(config, grad_compression=_compression.resolved(config.grad_compression))
 
 
 # ---------------------------------------------------------------------------- hzpsim search
@@ -68,8 +88,13 @@ SEARCH_RANK = 20
 
 
 def layouts(model: Model, training: Training, topology: Topology, space: Any) -> list[dict[str, Any]]:
-    """Stages 1, 2 and 3, those of ``space.zero_stage`` (all of them when it is empty)."""
-    return [{"stage": s} for s in (1, 2, 3) if s in space.zero_stage or not space.zero_stage]
+    """Stages 1, 2 and 3, those of ``space.zero_stage`` (all of them when it is empty); stages 1
+    and 2 also with each ``space.grad_compression`` option (none by default)."""
+    stages = [s for s in (1, 2, 3) if s in space.zero_stage or not space.zero_stage]
+    out: list[dict[str, Any]] = [{"stage": s} for s in stages]
+    out += [{"stage": s, "grad_compression": option} for s in stages if s < 3
+            for option in _compression.search_options(space)]
+    return out
 
 
 bound = _family_bound.bound_of(plan)
@@ -77,7 +102,7 @@ bound = _family_bound.bound_of(plan)
 
 def label(resolved: dict) -> str:
     """A short name for tables."""
-    return compose_label(resolved, {"stage": "stage"})
+    return _compression.label(compose_label(resolved, {"stage": "stage"}), resolved)
 
 
 # ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)

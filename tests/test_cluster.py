@@ -133,6 +133,11 @@ def test_preset_shapes():
     f = topo("frontier")
     assert f.devices_per_node == 8 and f.islands_per_node == 4  # 4 MI250X = 8 GCDs
     assert f.link("leaf").bytes_per_s == pytest.approx(4 * 200e9 / 8 / 8)  # 4x200 Gb/s / 8 GCDs
+    assert f.link("island").bytes_per_s == pytest.approx(4 * 50e9)  # 4 IF links in the package (OLCF: 200 GB/s)
+    assert f.link("node").bytes_per_s == pytest.approx(50e9)  # one IF link across packages (OLCF: 50-100)
+    assert f.nodes_per_leaf == 128  # one cabinet = one dragonfly group of 128 nodes
+    # dragonfly taper: 512 x 200 Gb/s injection per group over 4 x 200 Gb/s to each of 73 other groups
+    assert f.link("spine").bytes_per_s == pytest.approx(25e9 / 2 / round(512 / (4 * 73), 3))
     a = topo("dgx-a100")
     assert a.device.name == "a100-80gb" and a.devices_per_node == 8
     assert a.link("island").bytes_per_s == pytest.approx(600e9 / 2)  # NVLink3 600 bidir

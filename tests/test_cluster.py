@@ -50,7 +50,8 @@ def topo(preset: str, num_nodes: int = 1, **kw):
         ("a100-40gb", 312, 40, 1.555),
         ("h100-sxm", 989.4, 81559 * 2**20 / 1e9, 3.35),  # H100 SXM5 datasheet; nvidia-smi 81559 MiB
         ("h200", 989.4, 141, 4.8),
-        ("mi250x", 383 / 2, 64, 1.6),  # per GCD: half of a 383 TF / 128 GB / 3.2 TB/s package
+        # per GCD: half of a 383 TF / 3.2 TB/s package; memory as HIP reports a GCD, 65,520 MiB
+        ("mi250x", 383 / 2, 65520 * 2**20 / 1e9, 1.6),
         ("npu-910b", 300, 64, 1.6),  # AsyncHZP paper's ~300 TF, 64 GB
     ],
 )
@@ -60,6 +61,14 @@ def test_device_datasheet_numbers(name, bf16_tf, mem_gb, bw_tbs):
     assert d.memory_bytes == pytest.approx(mem_gb * 1e9)
     assert d.memory_bytes_per_s == pytest.approx(bw_tbs * 1e12)
     assert d.source
+
+
+def test_mi250x_gcd_memory_label_and_capacity():
+    """One MI250X GCD: labelled 64 GB (OLCF Frontier User Guide), 65,520 MiB as HIP reports it."""
+    d = get_device("mi250x")
+    assert d.memory_label_gb == 64
+    assert d.memory_bytes == 68_702_699_520
+    assert d.memory_bytes > 64 * 1e9  # the old 64e9 under-counted the device by 6.8 %
 
 
 def test_device_precisions():
@@ -124,6 +133,11 @@ def test_preset_shapes():
     f = topo("frontier")
     assert f.devices_per_node == 8 and f.islands_per_node == 4  # 4 MI250X = 8 GCDs
     assert f.link("leaf").bytes_per_s == pytest.approx(4 * 200e9 / 8 / 8)  # 4x200 Gb/s / 8 GCDs
+    assert f.link("island").bytes_per_s == pytest.approx(4 * 50e9)  # 4 IF links in the package (OLCF: 200 GB/s)
+    assert f.link("node").bytes_per_s == pytest.approx(50e9)  # one IF link across packages (OLCF: 50-100)
+    assert f.nodes_per_leaf == 128  # one cabinet = one dragonfly group of 128 nodes
+    # dragonfly taper: 512 x 200 Gb/s injection per group over 4 x 200 Gb/s to each of 73 other groups
+    assert f.link("spine").bytes_per_s == pytest.approx(25e9 / 2 / round(512 / (4 * 73), 3))
     a = topo("dgx-a100")
     assert a.device.name == "a100-80gb" and a.devices_per_node == 8
     assert a.link("island").bytes_per_s == pytest.approx(600e9 / 2)  # NVLink3 600 bidir

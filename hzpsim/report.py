@@ -242,14 +242,15 @@ def overlap(spans: StepSpans) -> tuple[float, float]:
     return _length(talking) - hidden, hidden
 
 
-def comm_bytes(trace: Trace, step: int) -> dict[int, dict[str, float]]:
-    """Bytes each simulated rank sends in ``step``, by intra_node / inter_node."""
+def comm_bytes(trace: Trace, step: int, period: int = 1) -> dict[int, dict[str, float]]:
+    """Bytes each simulated rank sends in ``step``, by intra_node / inter_node (with ``period``
+    > 1: per step, over the ``period`` steps ending at ``step``)."""
     out = {r: {"intra_node": 0.0, "inter_node": 0.0} for r in trace.graph.weights}
     ops = trace.graph.ops
     levels: dict[int, tuple[float, float]] = {}  # id(plan) -> (intra, inter): the engine shares plans
     for op_id, plan in trace.plans.items():
         op = ops[op_id]
-        if op.step != step:
+        if not step - period < op.step <= step:
             continue
         known = levels.get(id(plan))
         if known is None:
@@ -262,6 +263,8 @@ def comm_bytes(trace: Trace, step: int) -> dict[int, dict[str, float]]:
             sent = out[rank]
             sent["intra_node"] += intra
             sent["inter_node"] += inter
+    if period > 1:
+        out = {r: {k: v / period for k, v in sent.items()} for r, sent in out.items()}
     return out
 
 
@@ -282,12 +285,15 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     device = trace.topology.device
     n = graph.num_devices
     ends = step_boundaries(trace)
-    step_time = ends[-1] - ends[-2]
+    # a strategy whose steps differ in a cycle (co2: an outer exchange every few steps) reports
+    # the mean over its last cycle (graph meta ``report_period``, steps); else the last step
+    period = int(graph.meta.get("report_period", 1))
+    step_time = (ends[-1] - ends[-1 - period]) / period
     last_step = len(ends) - 1
-    window = (ends[-2], ends[-1])
+    window = (ends[-1 - period], ends[-1])
     tokens = training.global_batch_size * model.seq_len
     peak_flops = device.peak_flops_per_s(graph.compute_dtype)
-    model_flops = model.model_flops_per_token(attention_keys(graph.meta, training.num_steps)) * tokens
+    model_flops = model.model_flops_per_token(attention_keys(graph.meta, len(ends))) * tokens
     # recompute on the model-FLOPs basis (full attention, no causal halving)
     recompute_flops = tokens * sum(model.recompute_forward_flops(i, 1, training.activation_recompute, causal=False,
                                                                  float8=training.precision == "fp8")
@@ -306,11 +312,12 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     spans = {r: step_spans(trace, by_rank[r], window) for r in graph.weights}
     for r in graph.weights:
         exposed, hidden = overlap(spans[r])
+        exposed, hidden = exposed / period, hidden / period
         exposed_by_rank[r] = exposed
         comm_parts.append((exposed + hidden) * graph.weights[r])
         hidden_parts.append(hidden * graph.weights[r])
     comm_total, hidden_total = math.fsum(comm_parts), math.fsum(hidden_parts)
-    bytes_by_rank = comm_bytes(trace, last_step)
+    bytes_by_rank = comm_bytes(trace, last_step, period)
     busiest = max(bytes_by_rank, key=lambda r: (sum(bytes_by_rank[r].values()), -r))
 
     report: dict[str, Any] = {
@@ -345,8 +352,8 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     report["memory_over_capacity_bytes"] = max(-memory["memory_headroom_bytes"], 0.0)
     report["stream_utilization"] = stream_utilization(spans[graph.ranks[0]], window)
     critical = max(graph.weights, key=lambda r: (exposed_by_rank[r], -r))
-    report["time_breakdown_s"] = time_breakdown(trace, by_rank[critical], spans[critical], window,
-                                                trace.waits.get(critical, ()))
+    report["time_breakdown_s"] = {key: seconds / period for key, seconds in time_breakdown(
+        trace, by_rank[critical], spans[critical], window, trace.waits.get(critical, ())).items()}
     return report
 
 

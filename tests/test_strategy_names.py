@@ -78,9 +78,10 @@ def test_figure_colours_are_what_they_were():
 
     assert {n: strategies.color(n) for n in strategies.available()} == {
         "nd": "#4c72b0", "zero": "#dd8452", "hsdp": "#55a868", "mics": "#c44e52", "zeropp": "#8172b2",
-        "megatron_fsdp": "#937860", "asynchzp": "#da8bc3", "ddp": "#8c8c8c"}
+        "megatron_fsdp": "#937860", "asynchzp": "#da8bc3", "ddp": "#8c8c8c", "co2": "#ccb974"}
     assert plots.published_family_colors() == {
-        "nd": "#4c72b0", "fsdp": "#55a868", "zero3": "#dd8452", "zeropp": "#8172b2", "zero2": "#c44e52"}
+        "fsdp": "#55a868", "zero3": "#dd8452", "zero2": "#c44e52", "hsdp": "#4c72b0", "nd": "#8172b2",
+        "zeropp": "#937860"}
 
 
 def test_the_default_comparison_is_what_it_was():
@@ -99,7 +100,7 @@ def test_stand_ins_simplest_first():
 
 
 def test_published_families_and_their_owners():
-    assert strategies.published_families() == ["fsdp", "zero2", "zero3", "nd", "zeropp"]
+    assert strategies.published_families() == ["fsdp", "zero2", "zero3", "hsdp", "nd", "zeropp"]
     assert [strategies.published_owner(f)[0].__name__.rsplit(".", 1)[1] for f in ("fsdp", "nd", "zeropp")] == [
         "zero", "nd", "zeropp"]
     assert strategies.published_owner("nd")[1] == ("tp", "pp")

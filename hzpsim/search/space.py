@@ -42,6 +42,7 @@ class Space:
     activation_recompute: tuple[str, ...] = RECOMPUTE
     group_sizes: tuple[int, ...] | None = None  # sharding group sizes; None = powers of two
     grad_compression: tuple[str, ...] = ()  # METHOD:RATIO[:adaptive] tried with ddp and zero 1/2; () = none
+    outer_period: tuple[int, ...] = ()  # co2's inner steps per outer exchange; () = co2 not searched
 
     def replace(self, text: str) -> Space:
         """``KEY=V1,V2`` (``pp=1-16`` for a range), the ``--space`` syntax."""

@@ -79,7 +79,8 @@ def get(name: str, path: str = "strategy.name") -> ModuleType:
     raise ScenarioError(f"{path}: unknown strategy '{name}' (known: {', '.join(available())})")
 
 
-_TRIVIAL = {"tp": (0, 1), "pp": (0, 1), "cp": (0, 1), "ep": (0, 1), "vpp": (0, 1), "dp": (0, 1), "zero_stage": (0,)}
+_TRIVIAL = {"tp": (0, 1), "pp": (0, 1), "cp": (0, 1), "ep": (0, 1), "vpp": (0, 1), "dp": (0, 1), "zero_stage": (0,),
+            "inner_group_size": (1,)}
 
 
 def compose_label(resolved: dict[str, Any], short: dict[str, str]) -> str:

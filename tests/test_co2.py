@@ -35,12 +35,17 @@ def test_one_step_periods_waited_for_lie_between_ddp_with_and_without_overlap():
     assert ddp < co2 < ddp_after
 
 
-def test_slow_networks_favour_co2_and_fast_ones_do_not_care():
-    """80 Gb/s per node: CO2 (its default period, 3) beats DDP; 800 Gb/s: within 10 %."""
+def test_slow_networks_favour_co2_and_fast_ones_hardly_care():
+    """80 Gb/s per node: CO2 (its default period, 3) beats DDP. 800 Gb/s: CO2 with one rank per
+    worker is within 10 % of DDP; with a node per worker (the default, fairscale-CO2's) it pays
+    the node's gradient all-reduce after every backward, which DDP hides behind the backward."""
     slow = report({"name": "co2"}, 80.0)["step_time_s"], report({"name": "ddp"}, 80.0)["step_time_s"]
     assert slow[0] < 0.8 * slow[1]
-    fast = report({"name": "co2"}, 800.0)["step_time_s"], report({"name": "ddp"}, 800.0)["step_time_s"]
-    assert fast[0] == pytest.approx(fast[1], rel=0.10)
+    ddp = report({"name": "ddp"}, 800.0)
+    alone, node = report({"name": "co2", "inner_group_size": 1}, 800.0), report({"name": "co2"}, 800.0)
+    assert alone["step_time_s"] == pytest.approx(ddp["step_time_s"], rel=0.10)
+    slower = node["step_time_s"] - alone["step_time_s"]
+    assert slower > 0 and node["exposed_comm_s"] - alone["exposed_comm_s"] > 0.5 * slower
 
 
 def test_async_hides_the_exchange_and_longer_periods_amortise_it():
@@ -67,8 +72,8 @@ def test_outer_states_and_the_delta_are_held():
 def test_a_worker_of_a_node_all_reduces_its_gradients_every_step():
     """inner_group_size 8: the node's ranks synchronise every step (fairscale-CO2's local node
     group), which costs intra-node traffic but no inter-node bytes between exchanges."""
-    alone, node = report({"name": "co2", "outer_period": 4}), report({"name": "co2", "outer_period": 4,
-                                                                     "inner_group_size": 8})
+    alone = report({"name": "co2", "outer_period": 4, "inner_group_size": 1})
+    node = report({"name": "co2", "outer_period": 4})  # a node (8 GPUs) per worker by default
     assert node["comm_bytes_per_device"]["intra_node"] > alone["comm_bytes_per_device"]["intra_node"]
 
 
@@ -96,3 +101,16 @@ def test_bad_input_exits_2_naming_the_key(sets, key, capsys):
         args += ["--set", s]
     assert main(args) == 2
     assert key in capsys.readouterr().err
+
+
+def test_zero_sharding_inside_a_worker_makes_a_7b_model_fit():
+    """Llama-2-7B: full replicas (DDP, CO2 at stage 0) do not fit 80 GB; ZeRO-2 inside each node
+    worker does, and each rank then exchanges its 1/8 of the fp32 weights across the workers."""
+    def seven(strategy: dict) -> dict:
+        sc = scenario_from_mapping({"model": "llama2-7b", "training": {"global_batch_size": 512},
+                                    "cluster": {"preset": "dgx-a100", "num_nodes": 16}, "strategy": strategy})
+        return run_choice(sc, sc.strategies[0])
+
+    replica, sharded = seven({"name": "co2"}), seven({"name": "co2", "zero_stage": 2})
+    assert not replica["fits_in_memory"] and sharded["fits_in_memory"]
+    assert sharded["comm_bytes_per_device"]["inter_node"] < replica["comm_bytes_per_device"]["inter_node"]

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from hzpsim.hardware.placement import Placement
 from hzpsim.hardware.topology import Topology
@@ -50,6 +50,7 @@ from hzpsim.strategies import _family, _implementations, compose_label
 from hzpsim.strategies._dims import NO_MODEL_PARALLELISM
 from hzpsim.strategies._layers import Work
 from hzpsim.strategies._model_parallel import UnitPass, mp_units
+from hzpsim.strategies._nd_layout import sharding_sizes
 from hzpsim.strategies._sharded import Emitter, Ids, Schedule, attach_lengths, flat_uses
 
 #: fairscale-CO2's ``outer_momentum_num_shards`` default (capped at the world size there too)
@@ -68,7 +69,9 @@ APPLY_BYTES_PER_ELEMENT = 12.0
 class Config:
     outer_period: int = 3  # inner steps per outer exchange (fairscale-CO2's default localsgd_frequency)
     async_: bool = field(default=True, metadata={"key": "async"})  # exchange behind the next period (CO2)
-    inner_group_size: int = 1  # ranks of one worker, all-reducing their gradients every step
+    inner_group_size: int | None = None  # ranks of one worker, reducing their gradients every step;
+    # None = a node (fairscale-CO2's nprocs_per_node, its local_node_group); one rank on one node
+    zero_stage: Literal[0, 1, 2, 3] = 0  # ZeRO sharding inside a worker (as nd's zero_stage)
     outer_shards: int | None = None  # ranks the outer momentum and old parameters are sharded over;
     # None = min(devices, 32), fairscale-CO2's default (outer_momentum_num_shards capped at the world)
     implementation: str = "ddp"  # how the framework issues the inner all-reduce (strategies/_implementations.py)
@@ -77,17 +80,26 @@ class Config:
         _implementations.get(self.implementation)
         if not 1 <= self.outer_period <= MAX_OUTER_PERIOD:
             raise ValueError(f"outer_period: must be between 1 and {MAX_OUTER_PERIOD} inner steps, got {self.outer_period}")
-        if self.inner_group_size < 1:
+        if self.inner_group_size is not None and self.inner_group_size < 1:
             raise ValueError(f"inner_group_size: must be >= 1, got {self.inner_group_size}")
         if self.outer_shards is not None and self.outer_shards < 1:
             raise ValueError(f"outer_shards: must be >= 1, got {self.outer_shards}")
 
 
+def group_of(config: Config, topology: Topology) -> int:
+    """Ranks of one worker: ``inner_group_size``, else a node (one rank on a one-node cluster,
+    where a node would be the only worker)."""
+    if config.inner_group_size is not None:
+        return config.inner_group_size
+    node = topology.devices_per_node
+    return node if topology.num_devices >= 2 * node else 1
+
+
 def check(config: Config, model: Model, training: Training, topology: Topology) -> None:
-    n = topology.num_devices
-    if n % config.inner_group_size:
-        raise ValueError(f"inner_group_size: {config.inner_group_size} does not divide the {n} devices")
-    if n // config.inner_group_size < 2:
+    n, g = topology.num_devices, group_of(config, topology)
+    if n % g:
+        raise ValueError(f"inner_group_size: {g} does not divide the {n} devices")
+    if n // g < 2:
         raise ValueError("inner_group_size: local SGD needs at least two workers")
     if config.outer_shards is not None and config.outer_shards > n:
         raise ValueError(f"outer_shards: {config.outer_shards} is more than the {n} devices holding them")
@@ -102,14 +114,15 @@ def shards_of(config: Config, num_devices: int) -> int:
 
 
 def resolve(config: Config, topology: Topology) -> Config:
-    """The config as simulated: the outer shards filled in."""
-    return dataclasses.replace(config, outer_shards=shards_of(config, topology.num_devices))
+    """The config as simulated: the worker size and the outer shards filled in."""
+    return dataclasses.replace(config, inner_group_size=group_of(config, topology),
+                               outer_shards=shards_of(config, topology.num_devices))
 
 
 def build(config: Config, model: Model, training: Training, topology: Topology, expand: bool = False) -> OpGraph:
     implementation = _implementations.get(config.implementation)
     training = implementation.training_for(training, topology.device)
-    n, g, period = topology.num_devices, config.inner_group_size, config.outer_period
+    n, g, period = topology.num_devices, group_of(config, topology), config.outer_period
     steps = max(training.num_steps, 2 * period)  # a period to fill the pipeline of exchanges, one reported
     training = dataclasses.replace(training, num_steps=steps)
     # a worker's ranks are its data-parallel group (``dp``); the workers repeat over ``worker``
@@ -124,14 +137,17 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
     attach_lengths(emit, training, model.seq_len, {lane: everyone.coord(lane)["dp"] for lane in lanes}, n, 1, m)
     schedule = Schedule(overlap_grad_reduce=False, implementation=implementation)  # after the backward
     unit_pass = UnitPass(emit, NO_MODEL_PARALLELISM, units, training, placement, placement, schedule,
-                         flat_uses(steps, m, len(units)), lambda size: (1, 1, 1), m)
+                         flat_uses(steps, m, len(units)), lambda size: sharding_sizes(config.zero_stage, size), m)
     params = sum(u.dense_params for u in units)
     shards = shards_of(config, n)
-    world = graph.add_group("co2.world", range(n))
-    instances = [(world, tuple(lanes))]
+    if config.zero_stage == 0:  # every rank holds the whole fp32 model: the exchange over every rank
+        instances, exchanged_bytes = [(graph.add_group("co2.world", range(n)), tuple(lanes))], 4.0 * params
+    else:  # a rank holds 1/g of the fp32 master weights: its slice with the same rank of every worker
+        instances = emit.groups_for(lambda lane: (f"co2.across.{lane % g}", placement.group("worker", lane)), n // g)
+        exchanged_bytes = 4.0 * params / g
     workers = emit.groups_for(lambda lane: (f"co2.worker.{lane // g}", placement.group("dp", lane)), g)
     for lane in lanes:  # the outer states on a shard owner, the fp32 delta in flight
-        graph.add_static(lane, {"optimizer": 8.0 * params / shards, "buffers": 4.0 * params})
+        graph.add_static(lane, {"optimizer": 8.0 * params / shards, "buffers": exchanged_bytes})
     exchanged: Ids | None = None  # the outer exchange in flight (async) or just finished (sync)
     for step in range(steps):
         last: Ids | None = None if config.async_ else exchanged  # sync: the step waits for the exchange
@@ -153,11 +169,11 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
         unit_pass.optimize(step, ready)
         if outer_end:
             written = dict(emit.last_compute)  # the optimizer step wrote the parameters (parameter_ready)
-            scattered = emit.collective("reduce_scatter", instances, 4.0 * params, "co2.delta_reduce", "outer",
+            scattered = emit.collective("reduce_scatter", instances, exchanged_bytes, "co2.delta_reduce", "outer",
                                         "outer", [written], step)
             updated = emit.compute("co2.outer_step", "outer",
                                    Work(bytes_accessed=OUTER_STEP_BYTES_PER_ELEMENT * params / shards), [scattered], step)
-            exchanged = emit.collective("all_gather", instances, 4.0 * params, "co2.params_gather", "outer",
+            exchanged = emit.collective("all_gather", instances, exchanged_bytes, "co2.params_gather", "outer",
                                         "outer", [updated], step)
     return graph
 
@@ -176,7 +192,7 @@ def layouts(model: Model, training: Training, topology: Topology, space: Any) ->
 
 def label(resolved: dict) -> str:
     """A short name for tables."""
-    return compose_label(resolved, {"outer_period": "period", "inner_group_size": "g"})
+    return compose_label(resolved, {"outer_period": "period", "inner_group_size": "g", "zero_stage": "zero"})
 
 
 # ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)

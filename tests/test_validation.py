@@ -66,7 +66,8 @@ def test_sc21_table1_first_row_exact_mapping(cases):
         "cluster": {"device": "a100-80gb", "num_nodes": 4},  # Selene = the dgx-a100 preset
         "strategy": {"name": "nd", "tp": 1, "pp": 1, "dp": 32, "cp": 1, "ep": 1, "vpp": 1,
                      "zero_stage": 0, "sequence_parallel": False,
-                     "implementation": "megatron-2021"},  # Megatron-LM as of SC'21
+                     # Megatron-LM as of SC'21, run with --DDP-impl torch (the row's notes)
+                     "implementation": "megatron-2021-torch-ddp"},
     }
     assert c.assumptions == ()
     # 137 TFLOP/s/GPU on SC'21's recompute-inclusive formula -> exact step time and tokens/s
@@ -466,3 +467,13 @@ def test_hsdp_rows_map_to_hsdp():
     assert case_from_row(_row(strategy_family="hsdp", sharding_group=""), 2).skip_reason.startswith("sharding_group")
     assert case_from_row(_row(strategy_family="hsdp", sharding_group="8", tp=2.0, dp=8.0),
                          3).skip_reason.startswith("strategy_family")
+
+
+def test_sc21_rows_map_their_ddp_implementation(cases):
+    """SC'21 Table 1: the rows whose notes state DDP-impl=torch (rows 0-3) run PyTorch DDP's
+    overlapped buckets, the other S01 rows Megatron's local DDP."""
+    sc21 = [c for c in cases if c.source_id == "S01"]
+    assert len(sc21) == 10
+    for c in sc21:
+        expected = "megatron-2021-torch-ddp" if c.row_index < 4 else "megatron-2021"
+        assert c.scenario_mapping["strategy"]["implementation"] == expected, c.label

@@ -205,10 +205,12 @@ class Implementation:
     attention with native GQA), which keep Korthikanti et al.'s set."""
     attention_kernel_on: tuple[tuple[str, str], ...] = ()
     """The fused attention kernel the framework picks on a device family (the device file's
-    ``efficiency.gemm_constant``) when ``training.attention_kernel`` is ``auto``: Megatron-Core
-    through Transformer Engine runs cuDNN's fused attention on Hopper (TE >= 1.7,
+    ``efficiency.gemm_constant``, else its ``name``) when ``training.attention_kernel`` is
+    ``auto``: Megatron-Core through Transformer Engine runs cuDNN's fused attention on Hopper
+    and Blackwell (TE >= 1.7,
     ``transformer_engine/pytorch/attention/dot_product_attention/utils.py::get_attention_backend``:
-    FusedAttention preferred over FlashAttention on sm90 "for performance reasons")."""
+    FusedAttention preferred over FlashAttention when ``device_compute_capability >= (9, 0)``,
+    "on Hopper+ for performance reasons"; B200 and GB200 are sm100)."""
     pp_keeps_unsharded: bool = False
     """Pipeline parallelism (pp > 1) over sharded parameters: each unit is gathered once per step
     and kept gathered, and its gradient accumulates unsharded, in the reduce dtype, over the
@@ -317,7 +319,8 @@ class Implementation:
         if not self.eager_model_code and not training.fused_kernels:
             changes["fused_kernels"] = True
         if training.attention_kernel == "auto" and training.fused_attention:
-            kernel = dict(self.attention_kernel_on).get(device.efficiency.gemm_constant or "")
+            on = dict(self.attention_kernel_on)
+            kernel = on.get(device.efficiency.gemm_constant or "") or on.get(device.name)
             if kernel and kernel in device.attention_kernels:
                 changes["attention_kernel"] = kernel
         return replace(training, **changes) if changes else training
@@ -397,6 +400,10 @@ _DS = "microsoft/DeepSpeed"
 _PT = "pytorch/pytorch"
 _MEG = "NVIDIA/Megatron-LM"
 
+#: Transformer Engine's attention backend on Hopper (h100 family: H100, H200) and Blackwell (B200,
+#: GB200): cuDNN's fused attention (Implementation.attention_kernel_on)
+_TE_FUSED_ATTENTION = (("h100", "cudnn"), ("b200", "cudnn"), ("gb200", "cudnn"))
+
 IMPLEMENTATIONS: dict[str, Implementation] = {
     "ideal": Implementation(
         name="ideal", host=False,
@@ -461,9 +468,19 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "torch.cuda.synchronize() after every pipeline send/receive), "
                "megatron/mpu/mappings.py (TP all-reduces, repeated by the recompute)",
     ),
+    "megatron-2021-torch-ddp": Implementation(
+        name="megatron-2021-torch-ddp", loss="vocab-parallel", eager_model_code=False,
+        collective_call_s=COLLECTIVE_CALL_2021_S, sync_after_p2p=True, reduce="bucket",
+        reduce_bucket_elements=25 * 2**20 / 4,
+        source=f"{_MEG}@v2.5:megatron/training.py::get_model (--DDP-impl torch: each model chunk "
+               "wrapped in torch.nn.parallel.DistributedDataParallel over the data-parallel group), "
+               "megatron/schedules.py::forward_backward_no_pipelining (no_sync for all but the last "
+               "micro-batch); DDP's 25 MiB buckets all-reduced as the last backward produces them "
+               "(torch/csrc/distributed/c10d/reducer.hpp); the rest as megatron-2021",
+    ),
     "megatron-core": Implementation(
         name="megatron-core", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
-        moe_dispatcher="allgather", moe_grouped_gemm=False, attention_kernel_on=(("h100", "cudnn"),),
+        moe_dispatcher="allgather", moe_grouped_gemm=False, attention_kernel_on=_TE_FUSED_ATTENTION,
         source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
                "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
                "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward); "
@@ -472,7 +489,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "megatron-bridge": Implementation(
         name="megatron-bridge", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
-        attention_kernel_on=(("h100", "cudnn"),), distributed_optimizer=True,
+        attention_kernel_on=_TE_FUSED_ATTENTION, distributed_optimizer=True,
         source=f"{_MEG}@d98e8a64 (megatron-core's collectives) as NVIDIA-NeMo/Megatron-Bridge@067f987d "
                "recipes configure them: src/megatron/bridge/recipes/common.py::_pretrain_common "
                "(use_distributed_optimizer=True); MoE models: src/megatron/bridge/recipes/{{deepseek,qwen,...}}: "

@@ -353,6 +353,10 @@ def map_implementation(row: dict[str, Any], strategy: str) -> tuple[str, list[st
             # the coalesced ZeRO-3 arrived in DeepSpeed v0.6.0 (2022-01); the 2021 offload post predates it
             old = "2021" in ref or any(f"0.{v}." in system for v in range(6))
             impl = "deepspeed-2021" if old else "deepspeed"
+        if impl == "megatron-2021" and "ddp-impl=torch" in cell_text(row, "notes").lower():
+            # --DDP-impl torch: PyTorch DDP's bucketed all-reduce during the backward, where the
+            # default (local) reduces the whole buffer after it
+            return "megatron-2021-torch-ddp", []  # stated by the row (its notes), not assumed
         return impl, []  # read off the system column (docs/validation.md §2), not assumed
     impl = _implementations.DEFAULTS[strategy]
     return impl, [f"implementation: {impl} (the strategy's default; system {system!r} not recognised)"]

@@ -66,7 +66,7 @@ BAD_OPTIONS = [
     (["--row", "235"], "--row", "235 is not a row"),
     (["--row", "-1"], "--row", "-1 is not a row"),
     (["--row", "3", "--row", "-1"], "--row", "-1 is not a row"),
-    (["--family", "nosuch"], "--family", "unknown strategy family 'nosuch' (known: fsdp, zero2, zero3, nd, zeropp)"),
+    (["--family", "nosuch"], "--family", "unknown strategy family 'nosuch' (known: fsdp, zero2, zero3, hsdp, nd, zeropp)"),
     (["--family", "fsdp", "--family", "zero4"], "--family", "'zero4'"),
     (["--source", "nosuch"], "--source", "unknown source 'nosuch' (known: M00, M01,"),
     (["--source", "S09", "--source", "S99"], "--source", "'S99'"),

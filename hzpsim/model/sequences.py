@@ -37,6 +37,7 @@ of ``L``-token sequences (short sequences run slower, ``hardware/compute.py``).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
@@ -119,9 +120,10 @@ def row_pairs(spec: SequenceLengths, seq_len: int, num_rows: int, rng: np.random
     return np.bincount(rows, weights=pieces * pieces, minlength=num_rows)
 
 
+@functools.lru_cache(maxsize=8)
 def effective_tokens(spec: SequenceLengths, seq_len: int, dp: int, num_micro_batches: int, micro_batch_size: int,
                      num_steps: int) -> np.ndarray:
-    """``L[step, micro-batch, rank]``: the token-weighted mean piece length of the rows one
+    """(Cached: every pipeline stage of one build draws the same; read-only.) ``L[step, micro-batch, rank]``: the token-weighted mean piece length of the rows one
     data-parallel rank runs in one micro-batch (``sum(l_i^2) / tokens``; ``seq_len`` for a
     plain causal row), for every step, micro-batch and data-parallel rank."""
     rng = np.random.default_rng(spec.seed)
@@ -134,6 +136,7 @@ def effective_tokens(spec: SequenceLengths, seq_len: int, dp: int, num_micro_bat
         else:  # rank-major: rank r's micro-batch j holds rows (r, j, 0..b-1)
             per_slot = pairs.reshape(dp, num_micro_batches, micro_batch_size).sum(axis=2).T
         out[step] = per_slot / (micro_batch_size * seq_len)
+    out.flags.writeable = False
     return out
 
 

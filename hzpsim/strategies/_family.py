@@ -116,16 +116,23 @@ def build(plan: FamilyPlan, model: Model, training: Training, topology: Topology
                          flat_uses(training.num_steps, m, len(units)), lambda size: _capped(sizes, size), m,
                          compression_plan(plan, model, training, [u.name for u in units], [u.dense_params for u in units]))
     for step in range(training.num_steps):
-        last: Ids | None = None
-        for mb in range(m):
-            for u, unit in enumerate(units):
-                last = unit_pass.forward(unit, u, step, mb, last)
-            for u in reversed(range(len(units))):
-                last = unit_pass.backward(units[u], u, step, mb, last)
-        assert last is not None
+        last = micro_batches(unit_pass, units, step, m, None)
         norm = grad_norm(emit, range(n), unit_pass.reduce(step, last), step)
         unit_pass.optimize(step, norm)
     return graph
+
+
+def micro_batches(unit_pass: UnitPass, units: list, step: int, m: int, incoming: Ids | None) -> Ids:
+    """A plain loop's ``m`` micro-batches of ``step`` (forward in unit order, backward in
+    reverse) after ``incoming``; the last backward's ops."""
+    last = incoming
+    for mb in range(m):
+        for u, unit in enumerate(units):
+            last = unit_pass.forward(unit, u, step, mb, last)
+        for u in reversed(range(len(units))):
+            last = unit_pass.backward(units[u], u, step, mb, last)
+    assert last is not None
+    return last
 
 
 def compression_plan(plan: FamilyPlan, model: Model, training: Training, names: list[str],

@@ -150,13 +150,8 @@ def build(config: Config, model: Model, training: Training, topology: Topology, 
         graph.add_static(lane, {"optimizer": 8.0 * params / shards, "buffers": exchanged_bytes})
     exchanged: Ids | None = None  # the outer exchange in flight (async) or just finished (sync)
     for step in range(steps):
-        last: Ids | None = None if config.async_ else exchanged  # sync: the step waits for the exchange
-        for mb in range(m):
-            for u, unit in enumerate(units):
-                last = unit_pass.forward(unit, u, step, mb, last)
-            for u in reversed(range(len(units))):
-                last = unit_pass.backward(units[u], u, step, mb, last)
-        assert last is not None
+        # sync: the step waits for the exchange
+        last = _family.micro_batches(unit_pass, units, step, m, None if config.async_ else exchanged)
         reduced = unit_pass.reduce(step, last)
         # local clipping: the worker's own gradient norm
         ready: Ids = emit.collective("all_reduce", workers, 4.0, "grad_norm", "grad_norm", "compute", reduced,

@@ -217,18 +217,23 @@ def bench_grouped(device: torch.device, timed, tokens: int, smoke: bool) -> list
                                 torch.autograd.grad(y, (x, w1, w2), mid_grad)
                     return run
 
-                def sequential(train: bool, x=x, w1=w1, w2=w2, counts=counts,
+                # one parameter pair per expert, as SequentialMLP's separate modules hold them (indexing
+                # one stacked tensor would make autograd write a whole-tensor zero gradient per expert)
+                w1s = [torch.randn(2 * ff, hh, device=device, dtype=BF16, requires_grad=True) for _ in range(e)]
+                w2s = [torch.randn(hh, ff, device=device, dtype=BF16, requires_grad=True) for _ in range(e)]
+
+                def sequential(train: bool, x=x, w1s=w1s, w2s=w2s, counts=counts,
                                mid_grad=mid_grad) -> Callable[[], None]:
                     def run() -> None:
                         with torch.set_grad_enabled(train):
                             outs = []
                             for i, chunk in enumerate(torch.split(x, counts)):
-                                a = chunk @ w1[i].t()
+                                a = chunk @ w1s[i].t()
                                 g, u = a.chunk(2, dim=-1)
-                                outs.append((torch.nn.functional.silu(g) * u) @ w2[i].t())
+                                outs.append((torch.nn.functional.silu(g) * u) @ w2s[i].t())
                             y = torch.cat(outs)
                             if train:
-                                torch.autograd.grad(y, (x, w1, w2), mid_grad)
+                                torch.autograd.grad(y, (x, *w1s, *w2s), mid_grad)
                     return run
 
                 gemm_flops = 2.0 * total * hh * 3 * ff  # fc1 (2 ffn) + fc2 (ffn), forward
@@ -245,12 +250,37 @@ def bench_grouped(device: torch.device, timed, tokens: int, smoke: bool) -> list
                             continue
                         row[key + "_s"] = seconds
                         row[key + "_tflops"] = gemm_flops * (3 if train else 1) / seconds / 1e12
+                if device.type == "cuda" and FP8 is not None and label == "balanced":
+                    _grouped_fp8(row, timed, x.detach(), w1.detach(), w2.detach(), offs, smoke)
                 rows.append(row)
             if smoke:
                 break
         if smoke:
             break
     return rows
+
+
+def _grouped_fp8(row: dict[str, Any], timed, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 offs: torch.Tensor, smoke: bool) -> None:
+    """fc1 and fc2 of the experts as ``torch._scaled_grouped_mm`` (e4m3, row-wise scales: the
+    fp8 grouped kernel torchao's MoE training calls), forward; into ``row``."""
+    try:
+        xq = x.to(FP8)
+        w1q, w2q = w1.to(FP8), w2.to(FP8)
+        sx = torch.ones(x.shape[0], device=x.device, dtype=torch.float32)
+        s1 = torch.ones(w1.shape[0], w1.shape[1], device=x.device, dtype=torch.float32)
+        s2 = torch.ones(w2.shape[0], w2.shape[1], device=x.device, dtype=torch.float32)
+        mid = torch.randn(x.shape[0], w2.shape[2], device=x.device, dtype=BF16).to(FP8)
+
+        def run() -> None:
+            torch._scaled_grouped_mm(xq, w1q.transpose(-2, -1), sx, s1, offs=offs, out_dtype=BF16)
+            torch._scaled_grouped_mm(mid, w2q.transpose(-2, -1), sx, s2, offs=offs, out_dtype=BF16)
+
+        seconds = timed(run, 2, 5 if smoke else 10)
+        row["grouped_fp8_fwd_s"] = seconds
+        row["grouped_fp8_fwd_tflops"] = row["forward_gemm_flops"] / seconds / 1e12
+    except Exception as exc:
+        row["grouped_fp8_fwd_error"] = f"{type(exc).__name__}: {exc}"[:300]
 
 
 def bench_memory_bound(device: torch.device, timed, smoke: bool) -> list[dict[str, Any]]:
@@ -284,6 +314,343 @@ def bench_memory_bound(device: torch.device, timed, smoke: bool) -> list[dict[st
     # fused AdamW reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq: 7 x 4 bytes
     add("adamw_fused_step_fp32" if fused else "adamw_step_fp32", opt.step, 7 * 4 * params)
     return rows
+
+
+FP8 = getattr(torch, "float8_e4m3fn", None)
+
+
+def _to_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor scaled e4m3 copy of ``t`` and its inverse scale (Transformer Engine's delayed
+    scaling keeps one such scale per tensor)."""
+    amax = t.abs().max().float().clamp(min=1e-12)
+    scale = 448.0 / amax
+    return (t.float() * scale).to(FP8), (1.0 / scale).reshape(())
+
+
+def bench_gemm_fp8(device: torch.device, timed, tokens: int, smoke: bool) -> list[dict[str, Any]]:
+    """``torch._scaled_mm`` (the e4m3 GEMM Transformer Engine and torchao call; per-tensor scales,
+    bf16 output) at the same linear shapes as ``gemm``, forward only, and the cast that precedes
+    it (amax + scale + cast of the activation, as one eager sequence)."""
+    if FP8 is None or device.type != "cuda":
+        return [{"error": "no float8 dtype or no CUDA device"}]
+    rows = []
+    for shape in linear_shapes(tokens, smoke):
+        if shape["tp"] not in (1, 8):  # the two ends of the TP range keep the section short
+            continue
+        m, n, k = shape["m"], shape["n"], shape["k"]
+        n16, k16 = max(16, n // 16 * 16), max(16, k // 16 * 16)
+        sets = []
+        for _ in range(2):
+            a, sa = _to_fp8(torch.randn(m, k16, device=device, dtype=BF16))
+            w, sw = _to_fp8(torch.randn(n16, k16, device=device, dtype=BF16))
+            sets.append((a, w.t(), sa, sw))  # b column-major, as _scaled_mm requires
+        state = {"i": 0}
+
+        def run(sets=sets, state=state) -> None:
+            a, b, sa, sb = sets[state["i"] % 2]
+            state["i"] += 1
+            torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=BF16)
+
+        row: dict[str, Any] = {**shape, "phase": "fwd", "gemm_mnk": [m, n16, k16]}
+        try:
+            seconds = timed(run, 3, 10 if smoke else 20)
+            row.update(seconds=seconds, tflops=2.0 * m * n16 * k16 / seconds / 1e12)
+            a, b, sa, sb = sets[0]
+            fast = timed(lambda a=a, b=b, sa=sa, sb=sb: torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=BF16,
+                                                                        use_fast_accum=True), 3, 10 if smoke else 20)
+            row.update(fast_accum_seconds=fast, fast_accum_tflops=2.0 * m * n16 * k16 / fast / 1e12)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if shape["layer"] == "fc1":  # the activation's cast: amax, scale, cast (what TE fuses into one kernel)
+            x = torch.randn(m, k16, device=device, dtype=BF16)
+            row["cast_s"] = timed(lambda x=x: _to_fp8(x), 3, 10)
+            row["cast_bytes_min"] = m * k16 * 3  # read bf16, write e4m3
+        rows.append(row)
+        del sets
+    return rows
+
+
+def _moe_kernel_row(device: torch.device, timed, name: str, h: int, experts: int, topk: int, tokens: int,
+                    smoke: bool) -> dict[str, Any]:
+    """One model's row of :func:`bench_moe_kernels`."""
+    t, hh = (tokens, h) if not smoke else (64, 64)
+    x = torch.randn(t, hh, device=device, dtype=BF16, requires_grad=True)
+    wg = torch.randn(experts, hh, device=device, dtype=BF16, requires_grad=True)
+    sigmoid = name == "deepseek-v3"
+
+    def router(x=x, wg=wg, sigmoid=sigmoid, topk=topk) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = (x @ wg.t()).float()
+        scores = torch.sigmoid(logits) if sigmoid else torch.softmax(logits, dim=-1)
+        probs, idx = torch.topk(scores, topk, dim=-1)
+        return probs, idx
+
+    with torch.no_grad():
+        probs0, idx0 = router()
+    flat = idx0.reshape(-1)
+    token_of = torch.arange(t, device=device).repeat_interleave(topk)
+
+    def permute(x=x, flat=flat, token_of=token_of) -> tuple[torch.Tensor, torch.Tensor]:
+        order = torch.argsort(flat, stable=True)
+        return x.index_select(0, token_of[order]), order
+
+    def unpermute(y: torch.Tensor, order: torch.Tensor, probs: torch.Tensor, token_of=token_of,
+                  t=t, hh=hh) -> torch.Tensor:
+        weighted = y * probs.reshape(-1)[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros(t, hh, device=y.device, dtype=y.dtype).index_add_(0, token_of[order], weighted)
+
+    row: dict[str, Any] = {"model": name, "tokens": t, "hidden": hh, "experts": experts, "top_k": topk}
+    try:
+        with torch.no_grad():
+            row["router_fwd_s"] = timed(router, 3, 10)
+            permuted, order = permute()
+            row["permute_fwd_s"] = timed(permute, 3, 10)
+            row["unpermute_fwd_s"] = timed(lambda: unpermute(permuted, order, probs0), 3, 10)
+        y = permuted.detach().requires_grad_(True)
+        probs = probs0.detach().requires_grad_(True)
+        grad = torch.randn(t, hh, device=device, dtype=BF16)
+
+        def all_fwd_bwd() -> None:
+            p, _ = router()
+            perm, o = permute()
+            out = unpermute(perm, o, p)
+            torch.autograd.grad(out, (x, wg), grad)
+
+        def unpermute_fwd_bwd() -> None:
+            out = unpermute(y, order, probs)
+            torch.autograd.grad(out, (y, probs), grad)
+
+        row["router_permute_unpermute_fwd_bwd_s"] = timed(all_fwd_bwd, 3, 10)
+        row["unpermute_fwd_bwd_s"] = timed(unpermute_fwd_bwd, 3, 10)
+        row["permute_min_bytes"] = t * (1 + topk) * hh * 2  # read each token, write its k copies
+        row["router_logit_bytes"] = t * experts * (2 + 4 + 4) + t * topk * 12
+    except Exception as exc:
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return row
+
+
+def bench_moe_kernels(device: torch.device, timed, tokens: int, smoke: bool) -> list[dict[str, Any]]:
+    """The memory-bound parts of an MoE layer as Megatron-Core's ``moe_utils.py`` runs them
+    unfused: the router (gating GEMM to E logits, softmax or sigmoid in fp32, top-k), the
+    permutation (argsort of the expert ids, gather of each token's k copies in expert order)
+    and the un-permutation (scale by the routing probability, index_add back to token order),
+    forward and forward+backward, at the models of ``MOE``."""
+    rows = []
+    for name, (h, _ffn, experts, topk, _eps) in MOE.items():
+        rows.append(_moe_kernel_row(device, timed, name, h, experts, topk, tokens, smoke))
+        if smoke:
+            break
+    return rows
+
+
+
+def bench_unpermute(device: torch.device, timed, tokens: int, smoke: bool) -> list[dict[str, Any]]:
+    """The un-permutation of an MoE layer four ways, forward, at the models of ``MOE``: the
+    atomics Megatron-Core's unfused ``moe_utils.unpermute`` runs (``scatter_add_`` into a zeroed
+    bf16 output), the same into fp32, ``index_add_``, and a gather of each token's k rows in
+    token order summed with its probabilities (no atomics: what a fused un-permute kernel does)."""
+    rows = []
+    for name, (h, _ffn, experts, topk, _eps) in MOE.items():
+        t, hh = (tokens, h) if not smoke else (64, 64)
+        idx = torch.randint(0, experts, (t, topk), device=device)
+        probs = torch.rand(t, topk, device=device, dtype=torch.float32)
+        order = torch.argsort(idx.reshape(-1), stable=True)
+        token_of = torch.arange(t, device=device).repeat_interleave(topk)[order]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=device)
+        y = torch.randn(t * topk, hh, device=device, dtype=BF16)
+        p_sorted = probs.reshape(-1)[order].unsqueeze(-1).to(BF16)
+
+        def scatter(dtype: torch.dtype, y=y, p_sorted=p_sorted, token_of=token_of, t=t, hh=hh):
+            def run() -> None:
+                out = torch.zeros(t, hh, device=y.device, dtype=dtype)
+                out.scatter_add_(0, token_of.unsqueeze(1).expand(-1, hh), (y * p_sorted).to(dtype))
+            return run
+
+        def index_add(y=y, p_sorted=p_sorted, token_of=token_of, t=t, hh=hh) -> None:
+            torch.zeros(t, hh, device=y.device, dtype=y.dtype).index_add_(0, token_of, y * p_sorted)
+
+        def gather_sum(y=y, inverse=inverse, probs=probs, t=t, hh=hh, k=topk) -> None:
+            rows_in_token_order = y.index_select(0, inverse).view(t, k, hh)
+            (rows_in_token_order * probs.unsqueeze(-1).to(y.dtype)).sum(dim=1)
+
+        row: dict[str, Any] = {"model": name, "tokens": t, "hidden": hh, "top_k": topk,
+                               "min_bytes": t * (topk + 1) * hh * 2}
+        for label, fn in (("scatter_add_bf16", scatter(BF16)), ("scatter_add_fp32", scatter(torch.float32)),
+                          ("index_add_bf16", index_add), ("gather_sum_bf16", gather_sum)):
+            try:
+                row[label + "_s"] = timed(fn, 3, 10)
+            except Exception as exc:
+                row[label + "_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        rows.append(row)
+        if smoke:
+            break
+    return rows
+
+
+def bench_launch(device: torch.device, smoke: bool) -> dict[str, Any]:
+    """Host cost per eager op and per collective call, measured as the host's wall time to issue
+    many of them back to back (tiny tensors, so the GPU is never the bottleneck), and the same
+    kernels replayed from a CUDA graph."""
+    n = 20000 if not smoke else 200
+    out: dict[str, Any] = {"ops": n}
+    x = torch.zeros(16, device=device)
+    a = torch.randn(64, 64, device=device)
+
+    def issue(fn: Callable[[], Any], count: int) -> float:
+        for _ in range(200):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(count):
+            fn()
+        host = time.perf_counter() - start
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return host / count
+
+    out["add_inplace_s"] = issue(lambda: x.add_(1.0), n)
+    out["mm_64_s"] = issue(lambda: torch.mm(a, a), n)
+    out["silu_mul_s"] = issue(lambda: torch.nn.functional.silu(a) * a, n // 2)
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                x.add_(1.0)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            for _ in range(1000):
+                x.add_(1.0)
+        graph.replay()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        reps = 10
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+        out["graph_add_per_kernel_s"] = (time.perf_counter() - start) / (reps * 1000)
+    try:  # one collective call through c10d (NCCL on CUDA, gloo on CPU), world 1
+        import os
+
+        import torch.distributed as dist
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=0, world_size=1)
+        y = torch.zeros(1024, device=device)
+        out["collective_backend"] = backend
+        out["all_reduce_call_s"] = issue(lambda: dist.all_reduce(y), n // 10)
+        parts = [torch.zeros(1024, device=device)]
+        out["all_gather_list_call_s"] = issue(lambda: dist.all_gather(parts, y), n // 10)
+        big = torch.zeros(1024, device=device)
+        out["all_gather_into_tensor_call_s"] = issue(lambda: dist.all_gather_into_tensor(big, y), n // 10)
+        dist.destroy_process_group()
+    except Exception as exc:
+        out["collective_error"] = f"{type(exc).__name__}: {exc}"[:300]
+    return out
+
+
+def bench_sustained(device: torch.device, seconds: float, smoke: bool) -> dict[str, Any]:
+    """A training step's GEMM mix run back to back for ``seconds``: Llama-3-70B at TP 8, 8,192
+    tokens, each linear layer's forward, input-gradient and weight-gradient GEMM. Per window of
+    ``seconds / 12``: the achieved TFLOP/s and (NVML) the SM clock, power and temperature, so the
+    first window (a burst, as the other sections time) can be set against the last (the clock
+    the power cap allows after a minute)."""
+    h, heads, kv, d, ffn, _ = MODELS["llama3-70b"]
+    tp, t = 8, 8192
+    if smoke:
+        h, heads, kv, ffn, t = 256, 8, 2, 512, 256
+    shapes = [(t, (heads + 2 * kv) * d // tp, h), (t, h, heads * d // tp), (t, 2 * ffn // tp, h), (t, h, ffn // tp)]
+    mats = []
+    flops = 0.0
+    for m, n, k in shapes:
+        for a_rows, inner, b_cols in ((m, k, n), (m, n, k), (k, m, n)):
+            mats.append((torch.randn(a_rows, inner, device=device, dtype=BF16),
+                         torch.randn(inner, b_cols, device=device, dtype=BF16)))
+            flops += 2.0 * a_rows * inner * b_cols
+    nvml = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        nvml = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if device.type == "cuda" else 0)
+    except Exception:
+        nvml = None
+
+    def sample() -> dict[str, Any]:
+        if nvml is None:
+            return {}
+        import pynvml
+
+        return {"sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(nvml, pynvml.NVML_CLOCK_SM),
+                "power_w": pynvml.nvmlDeviceGetPowerUsage(nvml) / 1e3,
+                "temperature_c": pynvml.nvmlDeviceGetTemperature(nvml, pynvml.NVML_TEMPERATURE_GPU)}
+
+    windows = []
+    window_s = seconds / 12
+    end_all = time.perf_counter() + seconds
+    while time.perf_counter() < end_all:
+        start = time.perf_counter()
+        count = 0
+        while time.perf_counter() - start < window_s:
+            for _ in range(5):
+                for a, b in mats:
+                    torch.matmul(a, b)
+            count += 5
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        windows.append({"seconds": elapsed, "passes": count, "tflops": flops * count / elapsed / 1e12, **sample()})
+    return {"model": "llama3-70b", "tp": tp, "tokens": t, "flops_per_pass": flops, "windows": windows}
+
+
+def _memtrack_one(name: str, seq_len: int, layers: int, smoke: bool) -> dict[str, Any]:
+    """One strategy's memtrack run (a fresh process per strategy: a clean caching allocator).
+    The weights' values do not matter to memory: the executor's deterministic CPU init is
+    replaced by PyTorch's default init (its 40 s per 8 layers of Llama-3-8B were most of a run)."""
+    import dataclasses
+
+    from hzpsim.executor import memtrack
+    from hzpsim.executor import model as tmodel
+
+    tmodel.init_weights = lambda module, seed: None
+    if smoke:
+        model = memtrack.small(seq_len=64, layers=2, hidden=64, vocab=256)
+        method = "cpu"
+    else:
+        model = dataclasses.replace(memtrack.llama3_8b(seq_len), num_layers=layers, name=f"llama3-8b-{layers}layers")
+        method = "cuda"
+    spec = memtrack.spec_for(name, model)
+    start = time.perf_counter()
+    measured = memtrack.measure(spec, method)
+    return {"strategy": name, "model": model.name, "seq_len": seq_len, "layers": model.num_layers,
+            "tracker": measured["peak_allocated_bytes"], "alloc": measured["cuda_allocator"],
+            "by_category": measured["by_category"], "phase_peaks": measured["phase_peaks"],
+            "seconds": measured["seconds"], "s": time.perf_counter() - start, "notes": measured["notes"]}
+
+
+def bench_memtrack_isolated(smoke: bool, seq_len: int, layers: int, work: Path) -> list[dict[str, Any]]:
+    """:func:`_memtrack_one` for zero, hsdp, nd and asynchzp, each in its own process."""
+    import subprocess
+
+    rows: list[dict[str, Any]] = []
+    for name in ("zero", "hsdp", "nd", "asynchzp"):
+        out = work / f"memtrack-{name}.json"
+        cmd = [sys.executable, __file__, "--out", str(out), "--memtrack-one", name, "--seq-len", str(seq_len),
+               "--layers", str(layers)] + (["--smoke"] if smoke else [])
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=100)
+            if done.returncode != 0 or not out.exists():
+                rows.append({"strategy": name, "error": f"exit {done.returncode}", "stderr": done.stderr[-2500:]})
+            else:
+                rows.append(json.loads(out.read_text()))
+        except subprocess.TimeoutExpired as exc:
+            rows.append({"strategy": name, "error": "timeout 100 s", "stderr": str(exc.stderr)[-1500:]})
+    return rows
+
 
 
 def bench_memtrack(smoke: bool, seq_len: int) -> list[dict[str, Any]]:
@@ -328,13 +695,27 @@ EXECUTOR_SCENARIO = {
 GPU holds one rank; NCCL refuses two ranks on one device)."""
 
 
-def bench_executor(smoke: bool, work: Path) -> Any:
+EXECUTOR_LLAMA_SCENARIO = {
+    "name": "executor-cuda-llama3-8b-shape",
+    "model": {"name": "llama3-8b-4layers-v32k", "num_layers": 4, "hidden_size": 4096, "num_heads": 32,
+              "num_kv_heads": 8, "ffn_hidden_size": 14336, "vocab_size": 32000, "seq_len": 2048, "dropout": False,
+              "norm": "rmsnorm", "mlp": "swiglu", "position_embedding": "rope", "linear_bias": False},
+    "training": {"global_batch_size": 4, "micro_batch_size": 1, "precision": "fp32", "grad_dtype": "fp32",
+                 "activation_recompute": "none"},
+    "cluster": {"preset": "dgx-h200", "num_nodes": 1, "gpus_per_node": 1},
+    "strategies": [{"name": "zero", "stage": 3}, {"name": "zero", "stage": 2}],
+}
+"""Llama-3-8B's layer shape (4 layers, a 32k vocabulary), one GPU, fp32 as the executor trains:
+a measured step time at a real shape to set beside ``hzpsim run`` of the same scenario."""
+
+
+def bench_executor(smoke: bool, work: Path, scenario_of: dict[str, Any] | None = None) -> Any:
     import subprocess
 
     import yaml
 
     scenario = work / "executor-cuda.yaml"
-    scenario.write_text(yaml.safe_dump(EXECUTOR_SCENARIO))
+    scenario.write_text(yaml.safe_dump(scenario_of or EXECUTOR_SCENARIO))
     cmd = [sys.executable, "-m", "hzpsim.cli", "execute", str(scenario), "--world", "1", "--steps", "4",
            "--device", "cpu" if smoke else "cuda", "--json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -348,9 +729,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON file to write (rewritten after every section)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (checks this script on any machine)")
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per GEMM (micro-batch x sequence)")
-    parser.add_argument("--sections", default="gemm,attention,grouped_gemm,memory_bound,executor,memtrack")
+    parser.add_argument("--sections", default="gemm,gemm_fp8,attention,grouped_gemm,moe_kernels,memory_bound,launch,"
+                        "sustained,memtrack_isolated,executor")
     parser.add_argument("--seq-len", type=int, default=2048, help="memtrack's sequence length")
+    parser.add_argument("--layers", type=int, default=8, help="memtrack_isolated: Llama-3-8B layers kept")
+    parser.add_argument("--sustained-seconds", type=float, default=45.0, help="sustained: how long the GEMM mix runs")
+    parser.add_argument("--memtrack-one", help=argparse.SUPPRESS)  # memtrack_isolated's child process
     args = parser.parse_args(argv)
+    if args.memtrack_one:
+        Path(args.out).write_text(json.dumps(_memtrack_one(args.memtrack_one, args.seq_len, args.layers, args.smoke),
+                                             indent=1, sort_keys=True, default=str))
+        return 0
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     if device.type != "cuda" and not args.smoke:
         print("gpu_probe: no CUDA device (use --smoke to test the script)", file=sys.stderr)
@@ -372,7 +761,15 @@ def main(argv: list[str] | None = None) -> int:
         "grouped_gemm": lambda: bench_grouped(device, timed, args.tokens, args.smoke),
         "memory_bound": lambda: bench_memory_bound(device, timed, args.smoke),
         "memtrack": lambda: bench_memtrack(args.smoke, args.seq_len),
+        "memtrack_isolated": lambda: bench_memtrack_isolated(args.smoke, args.seq_len, args.layers, out.parent),
+        "gemm_fp8": lambda: bench_gemm_fp8(device, timed, args.tokens, args.smoke),
+        "moe_kernels": lambda: bench_moe_kernels(device, timed, args.tokens, args.smoke),
+        "launch": lambda: bench_launch(device, args.smoke),
+        "unpermute": lambda: bench_unpermute(device, timed, args.tokens, args.smoke),
+        "sustained": lambda: bench_sustained(device, args.sustained_seconds if not args.smoke else 1.0, args.smoke),
         "executor": lambda: bench_executor(args.smoke, out.parent),
+        "executor_llama": lambda: bench_executor(args.smoke, out.parent, EXECUTOR_LLAMA_SCENARIO if not args.smoke
+                                                 else EXECUTOR_SCENARIO),
     }
     for section in [s.strip() for s in args.sections.split(",") if s.strip()]:
         if section not in runs:
@@ -413,6 +810,43 @@ def summary(result: dict[str, Any]) -> None:
               f"{'-' if s is None else f'{s:.0f}'} TF")
     for r in result.get("memory_bound", []) if isinstance(result.get("memory_bound"), list) else []:
         print(f"mem {r['op']:<22} {r['gb_per_s']:.0f} GB/s")
+    fp8 = [r for r in result.get("gemm_fp8", []) if isinstance(r, dict) and "tflops" in r] \
+        if isinstance(result.get("gemm_fp8"), list) else []
+    if fp8:
+        rates = [r["tflops"] for r in fp8]
+        print(f"gemm_fp8: {len(fp8)} shapes, TFLOP/s median {statistics.median(rates):.0f}, min {min(rates):.0f}, "
+              f"max {max(rates):.0f}")
+    for r in result.get("gemm_fp8", []) if isinstance(result.get("gemm_fp8"), list) else []:
+        if "error" in r:
+            print(f"gemm_fp8 {r.get('model')} {r.get('layer')}: {r['error'][:120]}")
+    for r in result.get("moe_kernels", []) if isinstance(result.get("moe_kernels"), list) else []:
+        if "error" in r:
+            print(f"moe_kernels {r['model']}: {r['error'][:120]}")
+        else:
+            print(f"moe_kernels {r['model']:<16} router {r['router_fwd_s'] * 1e3:.3f} ms permute "
+                  f"{r['permute_fwd_s'] * 1e3:.3f} unpermute {r['unpermute_fwd_s'] * 1e3:.3f} all fwd+bwd "
+                  f"{r['router_permute_unpermute_fwd_bwd_s'] * 1e3:.3f}")
+    for r in result.get("unpermute", []) if isinstance(result.get("unpermute"), list) else []:
+        print(f"unpermute {r['model']:<16} " + " ".join(f"{k[:-2]} {v * 1e3:.3f} ms" for k, v in sorted(r.items())
+                                                         if k.endswith("_s")))
+    launch = result.get("launch")
+    if isinstance(launch, dict):
+        print("launch: " + ", ".join(f"{k} {v * 1e6:.2f} us" if isinstance(v, float) else f"{k} {v}"
+                                     for k, v in sorted(launch.items())))
+    sustained = result.get("sustained")
+    if isinstance(sustained, dict) and sustained.get("windows"):
+        w = sustained["windows"]
+        print("sustained TFLOP/s per window: " + " ".join(f"{x['tflops']:.0f}" for x in w)
+              + f" | clock {w[0].get('sm_clock_mhz')}->{w[-1].get('sm_clock_mhz')} MHz, power "
+              f"{w[0].get('power_w')}->{w[-1].get('power_w')} W")
+    for r in result.get("memtrack_isolated", []) if isinstance(result.get("memtrack_isolated"), list) else []:
+        if "error" in r:
+            print(f"memtrack {r['strategy']}: {r['error']} {r.get('stderr', '')[-400:]}")
+        else:
+            a = r.get("alloc") or {}
+            print(f"memtrack {r['strategy']:<9} tracker {r['tracker'] / 2**30:.3f} GiB allocated "
+                  f"{a.get('max_allocated_bytes', math.nan) / 2**30:.3f} reserved "
+                  f"{a.get('max_reserved_bytes', math.nan) / 2**30:.3f} ({r['s']:.0f} s)")
     runs = result.get("executor")
     if isinstance(runs, list):
         for r in runs:

@@ -177,8 +177,13 @@ def _skip_pipeline_vote(schedule: Any) -> None:
     (``schedules.py``, ``_PipelineSchedule._warmup_p2p``: a send/recv chain through all stages,
     then ``result.item()``); on a fake process group the next stage never answers. Every stage
     of this rank was given its shapes (``NDTrainer(static_pipeline_shapes=True)``), and the
-    other ranks would have been too: set the vote's outcome, ``InferenceMode.STATIC``."""
-    from torch.distributed.pipelining._utils import InferenceMode
+    other ranks would have been too: set the vote's outcome, ``InferenceMode.STATIC``.
+    Older PyTorch (2.11, seen on a lent GPU machine) has neither the vote nor ``InferenceMode``:
+    its stages take the shapes they were given, and nothing needs skipping."""
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+    except ImportError:
+        return
 
     def warmup_p2p(stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
         for stage in stages:

@@ -189,8 +189,8 @@ MIXTRAL_ARGS = """--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --
 
 @pytest.mark.parametrize("flags, expected", [
     ("", {}),
-    ("--moe-token-dispatcher-type alltoall --moe-grouped-gemm --overlap-moe-expert-parallel-comm",
-     {"moe_dispatcher": "alltoall", "moe_grouped_gemm": True, "moe_ep_overlap": True}),
+    ("--moe-token-dispatcher-type alltoall --moe-grouped-gemm --overlap-moe-expert-parallel-comm --moe-permute-fusion",
+     {"moe_dispatcher": "alltoall", "moe_grouped_gemm": True, "moe_ep_overlap": True, "moe_permute_fusion": True}),
     ("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep --moe-expert-capacity-factor 1.25",
      {"moe_dispatcher": "deepep", "moe_capacity_factor": 1.25}),
 ])
@@ -202,9 +202,11 @@ def test_megatron_moe_flags_import_as_the_moe_settings(capsys, tmp_path, flags, 
     assert {k: strategy[k] for k in expected} == expected
     assert not any(k.startswith("moe_") for k in strategy if k not in expected)
     resolved = report(load_scenario_text(text, tmp_path))["strategy_resolved"]
-    # unset, Megatron-Core's own defaults (docs/moe.md): the allgather dispatcher, SequentialMLP
+    # unset, Megatron-Core's own defaults (docs/moe.md): the allgather dispatcher, SequentialMLP,
+    # the eager permutation
     assert resolved["moe_dispatcher"] == expected.get("moe_dispatcher", "allgather")
     assert resolved["moe_grouped_gemm"] == expected.get("moe_grouped_gemm", False)
+    assert resolved["moe_permute_fusion"] == expected.get("moe_permute_fusion", False)
 
 
 def load_scenario_text(text: str, tmp_path: Path):

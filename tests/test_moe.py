@@ -216,3 +216,25 @@ def test_expert_tensor_parallelism_gathers_the_tokens_and_keeps_each_ranks_flops
     kinds = sorted({o.collective for o in split.ops if o.category == "etp" and o.step == 0})
     assert kinds == ["all_gather", "reduce_scatter"]
     assert not any(o.category == "etp" for o in plain.ops)
+
+
+def test_unfused_permutation_costs_the_measured_multiples_and_profiles_choose_it():
+    """Megatron-Core's and torchtitan's eager permutation (``moe_permute_fusion`` False) charges
+    the H200-measured multiples of the fused kernels' bytes; the NeMo recipes run it fused."""
+    fused = report(mixtral(4, moe_permute_fusion=True, ep=2))
+    eager = report(mixtral(4, moe_permute_fusion=False, ep=2))
+    f = fused["time_breakdown_s"]["compute.moe_permute"]
+    e = eager["time_breakdown_s"]["compute.moe_permute"]
+    multiple = sum(_moe.UNFUSED_PERMUTE) / 4  # forward and backward of permute and un-permute, equal bytes each
+    assert e / f == pytest.approx(multiple, rel=0.05)
+    assert eager["step_time_s"] > fused["step_time_s"]
+    # unset, the profile decides what is simulated (mixtral() runs megatron-core: eager)
+    assert report(mixtral(4, ep=2))["step_time_s"] == eager["step_time_s"]
+    resolved = {}
+    for impl in ("megatron-core", "megatron-bridge", "torchtitan"):
+        sc = scenario_from_mapping({
+            "model": "tiny-moe", "training": {"global_batch_size": 32}, "cluster": {"preset": "dgx-h100", "num_nodes": 1},
+            "strategy": {"name": "nd", "ep": 4, "implementation": impl}})
+        resolved[impl] = report(sc)["strategy_resolved"]["moe_permute_fusion"]
+    assert resolved == {"megatron-core": False, "megatron-bridge": True, "torchtitan": False}
+

@@ -126,6 +126,8 @@ def as_simulated(config: Any) -> Any:
         changes["moe_dispatcher"] = profile.moe_dispatcher  # the MoE layers' dispatcher unless set
     if "moe_grouped_gemm" in fields and plugin_config.moe_grouped_gemm is None:
         changes["moe_grouped_gemm"] = profile.moe_grouped_gemm
+    if "moe_permute_fusion" in fields and plugin_config.moe_permute_fusion is None:
+        changes["moe_permute_fusion"] = profile.moe_permute_fusion
     if "zero_stage" in fields and plugin_config.zero_stage is None:  # nd: the framework's default
         changes["zero_stage"] = 1 if profile.distributed_optimizer else 0
     if "prefetch_depth" in fields:

@@ -71,6 +71,8 @@ class ParallelDims:
     ``--overlap-moe-expert-parallel-comm``: the combined 1F1B schedule)."""
     moe_grouped_gemm: bool = True
     """Local experts run as one grouped GEMM per linear (else one GEMM per expert)."""
+    moe_permute_fusion: bool = True
+    """The token permutation and un-permutation run fused (else as the eager sequences)."""
     ep_nodes: int = 1
     """Nodes one expert-parallel group spans (:meth:`placed`; the ``deepep`` dispatcher's
     network deduplication depends on it)."""
@@ -180,13 +182,16 @@ class ParallelDims:
 
 def moe_fields(config: Any) -> dict[str, Any]:
     """ParallelDims' MoE settings from a plugin's config: its own, and where it leaves the
-    dispatcher unset (``""``) or the grouped GEMM unset (None) the implementation profile's."""
+    dispatcher unset (``""``), the grouped GEMM or the permutation's fusion unset (None) the
+    implementation profile's."""
     profile = _implementations.get(config.implementation)
     return {"moe_imbalance": config.moe_imbalance, "moe_capacity_factor": config.moe_capacity_factor,
             "moe_pad_to_capacity": config.moe_pad_to_capacity,
             "moe_dispatcher": config.moe_dispatcher or profile.moe_dispatcher,
             "moe_ep_overlap": config.moe_ep_overlap,
-            "moe_grouped_gemm": profile.moe_grouped_gemm if config.moe_grouped_gemm is None else config.moe_grouped_gemm}
+            "moe_grouped_gemm": profile.moe_grouped_gemm if config.moe_grouped_gemm is None else config.moe_grouped_gemm,
+            "moe_permute_fusion": profile.moe_permute_fusion if config.moe_permute_fusion is None
+            else config.moe_permute_fusion}
 
 
 def _culprit(degrees: dict[str, int], total: int) -> str:

@@ -244,6 +244,14 @@ class Implementation:
     ``experts.py::TEGroupedMLP`` / ``GroupedMLP``, torchtitan ``torch._grouped_mm``). False: one
     GEMM per local expert (Megatron-Core's ``SequentialMLP``, its default:
     ``moe_grouped_gemm = False``), whose tiles do not share the waves and whose launches add up."""
+    moe_permute_fusion: bool = True
+    """An MoE layer's token permutation and un-permutation run as fused kernels that move each
+    byte once (Transformer Engine's ``moe_permute`` / ``moe_unpermute``, Megatron-Core
+    ``--moe-permute-fusion``). False: the eager sequences, Megatron-Core's default
+    (``transformer_config.py``: ``moe_permute_fusion: bool = False``; ``moe_utils.py::permute``:
+    argsort + ``index_select``; ``unpermute``: probability product, ``torch.zeros`` and an atomic
+    ``scatter_add_``) and torchtitan's (``torchtitan/models/moe/moe.py``: ``torch.gather``,
+    ``zeros_like`` + ``scatter_add``), timed on an H200 (``_moe.UNFUSED_PERMUTE``)."""
 
     # -- counts -------------------------------------------------------------------------------
 
@@ -480,12 +488,14 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "megatron-core": Implementation(
         name="megatron-core", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
-        moe_dispatcher="allgather", moe_grouped_gemm=False, attention_kernel_on=_TE_FUSED_ATTENTION,
+        moe_dispatcher="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
+        attention_kernel_on=_TE_FUSED_ATTENTION,
         source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
                "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
                "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward); "
                "MoE as TransformerConfig's defaults: moe_token_dispatcher_type 'allgather', "
-               "moe_grouped_gemm False (SequentialMLP)",
+               "moe_grouped_gemm False (SequentialMLP), moe_permute_fusion False (eager permute / scatter_add_ "
+               "un-permute, moe/moe_utils.py)",
     ),
     "megatron-bridge": Implementation(
         name="megatron-bridge", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
@@ -499,9 +509,11 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
         name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
         gather_after_loss=True, sp_saves_gathered_inputs=True, pp_keeps_unsharded=True, tp_loss="loss-parallel",
         blocking_calls=True,  # FSDP2's calls (see fsdp2)
+        moe_permute_fusion=False,  # torchtitan/models/moe/moe.py: torch.gather in, zeros_like + scatter_add out
         source="pytorch/torchtitan@v0.2.2:torchtitan/models/llama3/infra/parallelize.py::apply_fsdp, "
                "apply_tp (FSDP2 per block + DTensor TP/SP), infra/pipeline.py (torch.distributed.pipelining "
-               "schedules, FSDP kept unsharded across micro-batches)",
+               "schedules, FSDP kept unsharded across micro-batches); MoE: models/moe/moe.py (torch._grouped_mm experts, "
+               "eager gather / scatter_add permutation)",
     ),
     "dtensor": Implementation(
         name="dtensor", optimizer_temp_bytes_per_param=4.0, grad_reduce_overlap=False, master_weights=False, tp_gathers_logits=True,

@@ -122,6 +122,29 @@ def node_dedup(num_experts: int, top_k: int, nodes: int) -> float:
     return (nodes - 1) * (1 - miss) / (top_k * (nodes - 1) / nodes)
 
 
+class Unfused(NamedTuple):
+    """What the eager (unfused) permutation kernels cost, as a multiple of the fused charge, the
+    (1 + k)·B·h bytes per token moved once."""
+
+    permute: float
+    unpermute: float
+    permute_backward: float
+    unpermute_backward: float
+
+
+UNFUSED_PERMUTE = Unfused(permute=2.85, unpermute=10.15, permute_backward=17.05, unpermute_backward=7.13)
+"""[MEA] Median over five MoE shapes (Mixtral-8x7B, Qwen3-30B-A3B, Qwen3-235B-A22B,
+DeepSeek-V3, gpt-oss-120b; 8,192 tokens) of each eager sequence's time over a device copy of
+its (1 + k)·B·h bytes, on one H200 (2026-11-27, ``benchmarks/gpu_probe.py`` sections
+``moe_kernels`` and ``unpermute``; ``docs/gpu-measurements.md``): permute = argsort +
+``index_select`` (Megatron-Core ``moe_utils.py::permute``; 2.05-3.91); un-permute = probability
+product + ``torch.zeros`` + ``scatter_add_`` in bf16 (``unpermute``; 8.70-10.77: the atomics of
+the k rows per token); the permute's backward is an ``index_add_`` into zeros (16.12-17.69);
+the un-permute's backward a gather and the product's gradient (7.0-7.4, the forward and
+backward of all three measured together agree within 1 %). Charged as bytes at the
+memory-bound rate like every other kernel, so they scale with the device's bandwidth."""
+
+
 def moe_work(model: Model, i: int, router: list[Gemm], experts: list[Gemm], tokens: float, act: int,
               deg: ParallelDims, mode: str, router_redo: Sequence[tuple[int, int, str]]) -> MoEWork:
     """The router, permutation, experts and un-permutation of MoE layer ``i`` for one rank's
@@ -135,7 +158,9 @@ def moe_work(model: Model, i: int, router: list[Gemm], experts: list[Gemm], toke
       per token; its backward about twice that (``moe_work``: as every memory-bound kernel);
     - permute: reads each token once and writes its k copies in expert order, (1 + k)·B·h;
       un-permute reads the k copies back, scales them by their probabilities and writes the
-      sum, the same bytes; the backward of each moves as much again;
+      sum, the same bytes; the backward of each moves as much again. Unfused
+      (``deg.moe_permute_fusion`` False) each is the eager sequence's measured multiple of
+      that (:data:`UNFUSED_PERMUTE`);
     - experts: the grouped GEMMs (:func:`expert_gemms`) and the activation function over the
       busiest rank's copies (SwiGLU reads gate and up and writes their product, 3·B·f; GELU
       2·B·f), weights and intermediate split by etp.
@@ -149,22 +174,24 @@ def moe_work(model: Model, i: int, router: list[Gemm], experts: list[Gemm], toke
     router_bytes = tokens * ((act + 12) * e + 12 * k)
     permute_bytes = tokens * (1 + k) * act * h
     activation_bytes = routed * per_ffn * act * model.moe.expert_ffn_hidden_size / deg.etp
-    fwd_router, fwd_permute = Work.of(router, router_bytes), Work(bytes_accessed=permute_bytes)
+    cost = Unfused(1.0, 1.0, 1.0, 1.0) if deg.moe_permute_fusion else UNFUSED_PERMUTE
+    fwd_router = Work.of(router, router_bytes)
+    fwd_permute, fwd_unpermute = (Work(bytes_accessed=permute_bytes * cost.permute),
+                                  Work(bytes_accessed=permute_bytes * cost.unpermute))
     fwd_experts = Work.of(experts, activation_bytes)
     bwd_router = Work.of([g for shape in router for g in shape.backward()], 2 * router_bytes)
-    bwd_permute = Work(bytes_accessed=permute_bytes)
+    bwd_permute = Work(bytes_accessed=permute_bytes * cost.permute_backward)
+    bwd_unpermute = Work(bytes_accessed=permute_bytes * cost.unpermute_backward)
     bwd_experts = Work.of([g for shape in experts for g in shape.backward()], 2 * activation_bytes)
-    if mode == "full":
+    if mode == "full":  # the whole forward again, each kernel before its own backward
         bwd_router, bwd_permute = bwd_router + fwd_router, bwd_permute + fwd_permute
+        bwd_unpermute = bwd_unpermute + fwd_unpermute
         bwd_experts = bwd_experts + fwd_experts
-        unpermute_redo = fwd_permute
-    else:
-        unpermute_redo = Work()
-        if mode == "op":
-            bwd_experts = bwd_experts + fwd_experts
-            bwd_router = bwd_router + Work.of(linear_gemms(router_redo, tokens, 1))
-    return MoEWork(fwd_router, fwd_permute, fwd_experts, fwd_permute, bwd_router, bwd_permute, bwd_experts,
-                   bwd_permute + unpermute_redo)
+    elif mode == "op":
+        bwd_experts = bwd_experts + fwd_experts
+        bwd_router = bwd_router + Work.of(linear_gemms(router_redo, tokens, 1))
+    return MoEWork(fwd_router, fwd_permute, fwd_experts, fwd_unpermute, bwd_router, bwd_permute, bwd_experts,
+                   bwd_unpermute)
 
 
 # ------------------------------------------------------------------ emitting an MoE layer's ops

@@ -54,6 +54,7 @@ class Config:
     moe_dispatcher: Literal["", "alltoall", "allgather", "deepep"] = ""  # "" = the implementation's
     moe_ep_overlap: bool = False  # dispatch / combine overlap another micro-batch's compute
     moe_grouped_gemm: bool | None = None  # local experts as one grouped GEMM per linear; None = the implementation's
+    moe_permute_fusion: bool | None = None  # fused token permutation (--moe-permute-fusion); None = the implementation's
     implementation: str = "reference"  # how the framework runs it (strategies/_implementations.py)
 
     def validate(self) -> None:

@@ -65,6 +65,7 @@ class Config:
     moe_dispatcher: Literal["", "alltoall", "allgather", "deepep"] = ""  # "" = the implementation's
     moe_ep_overlap: bool = False  # --overlap-moe-expert-parallel-comm: dispatch / combine behind another micro-batch
     moe_grouped_gemm: bool | None = None  # local experts as one grouped GEMM per linear; None = the implementation's
+    moe_permute_fusion: bool | None = None  # fused token permutation (--moe-permute-fusion); None = the implementation's
     first_stage_layers: int | None = None  # layers on the first pipeline stage (Megatron's uneven split)
     last_stage_layers: int | None = None  # layers on the last pipeline stage
     overlap_grad_reduce: bool = True  # bucketed gradient reduction overlaps the last backward

@@ -44,7 +44,7 @@ READ: dict[str, Callable[[str], Any] | type] = {
     "transformer-impl": str, "ddp-impl": str, "no-bias-gelu-fusion": bool, "no-bias-dropout-fusion": bool,
     "no-bias-swiglu-fusion": bool, "use-mcore-models": bool, "use-legacy-models": bool,
     "moe-token-dispatcher-type": str, "moe-enable-deepep": bool, "moe-flex-dispatcher-backend": str,
-    "overlap-moe-expert-parallel-comm": bool, "moe-grouped-gemm": bool, "moe-expert-capacity-factor": float,
+    "overlap-moe-expert-parallel-comm": bool, "moe-grouped-gemm": bool, "moe-permute-fusion": bool, "moe-expert-capacity-factor": float,
     "moe-pad-expert-input-to-capacity": bool,
 }
 #: Arguments that do not change one step's time or memory as hzpsim models it.
@@ -401,6 +401,8 @@ def _moe_strategy(draft: Draft, a: _Args) -> None:
         draft.set("strategy.moe_ep_overlap", True)
     if a.has("moe-grouped-gemm"):
         draft.set("strategy.moe_grouped_gemm", True)
+    if a.has("moe-permute-fusion"):
+        draft.set("strategy.moe_permute_fusion", True)
     if a.has("moe-expert-capacity-factor"):
         draft.set("strategy.moe_capacity_factor", a.get("moe-expert-capacity-factor"))
     if a.has("moe-pad-expert-input-to-capacity"):

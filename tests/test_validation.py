@@ -182,6 +182,22 @@ def test_fabricated_rows_hsdp_zeropp_and_missing_columns():
     assert none.skip_reason.startswith("measured_*")
 
 
+
+def test_moe_rows_state_grouped_gemm_and_permute_fusion(cases):
+    """The MoE settings a row states reach the ND strategy; blank keeps the profile's; anything
+    but true / false skips the row naming the column."""
+    moe = dict(system="Megatron-Core", strategy_family="nd", model_name="Mixtral-8x7B", moe_experts=4.0,
+               moe_topk=2.0, ep=2.0, tp=1.0, dp=16.0, zero_stage=None, sharding_group=None)
+    stated = case_from_row(_row(**moe, moe_grouped_gemm="true", moe_permute_fusion="false"), 0)
+    strategy = stated.scenario_mapping["strategy"]
+    assert strategy["name"] == "nd" and strategy["moe_grouped_gemm"] is True and strategy["moe_permute_fusion"] is False
+    blank = case_from_row(_row(**moe), 1).scenario_mapping["strategy"]
+    assert "moe_grouped_gemm" not in blank and "moe_permute_fusion" not in blank
+    assert case_from_row(_row(**moe, moe_permute_fusion="yes"), 2).skip_reason == \
+        "moe_permute_fusion: 'yes' is not true or false"
+    s21 = [c for c in cases if c.source_id == "S21"]
+    assert s21 and all(c.scenario_mapping["strategy"]["moe_permute_fusion"] is True for c in s21 if c.runnable)
+
 def test_parse_inter_node():
     assert parse_inter_node("1600 Gbps node-to-node RoCE", 8) == pytest.approx(25e9)
     assert parse_inter_node("RDMA 400Gb/s per GPU (8x400Gb/s per host)", 8) == pytest.approx(50e9)

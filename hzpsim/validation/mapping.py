@@ -327,8 +327,10 @@ _FRAMEWORK_DEFAULTS = {
 def _map_moe(row: dict[str, Any], strategy: dict[str, Any], assumptions: list[str]) -> None:
     """The MoE settings a row states: its token dispatcher (``moe_dispatcher``: Megatron's flex
     dispatcher with a DeepEP or HybridEP backend is ``deepep``) and whether the EP exchanges
-    overlap compute (``moe_ep_overlap``: ``--overlap-moe-expert-parallel-comm``, DualPipe).
-    Blank cells leave the implementation profile's defaults."""
+    overlap compute (``moe_ep_overlap``: ``--overlap-moe-expert-parallel-comm``, DualPipe), and
+    whether the experts run as grouped GEMMs (``moe_grouped_gemm``: ``--moe-grouped-gemm``) and
+    the permutation fused (``moe_permute_fusion``: ``--moe-permute-fusion``), each ``true`` or
+    ``false``. Blank cells leave the implementation profile's defaults."""
     dispatcher = cell_text(row, "moe_dispatcher").lower()
     if dispatcher and strategy.get("ep", 1) > 1:
         if dispatcher not in ("alltoall", "allgather", "deepep"):
@@ -336,6 +338,12 @@ def _map_moe(row: dict[str, Any], strategy: dict[str, Any], assumptions: list[st
         strategy["moe_dispatcher"] = dispatcher
     if cell_text(row, "moe_ep_overlap").lower() == "true" and strategy.get("ep", 1) > 1:
         strategy["moe_ep_overlap"] = True
+    for key in ("moe_grouped_gemm", "moe_permute_fusion"):
+        stated = cell_text(row, key).lower()
+        if stated and whole(row, "moe_experts") and strategy.get("name") in ("nd", "asynchzp"):
+            if stated not in ("true", "false"):
+                raise RowSkipped(f"{key}: {stated!r} is not true or false")
+            strategy[key] = stated == "true"
 
 
 def map_implementation(row: dict[str, Any], strategy: str) -> tuple[str, list[str]]:

@@ -145,7 +145,17 @@ backward of all three measured together agree within 1 %). Charged as bytes at t
 memory-bound rate like every other kernel, so they scale with the device's bandwidth."""
 
 
-def moe_work(model: Model, i: int, router: list[Gemm], experts: list[Gemm], tokens: float, act: int,
+def router_bytes(tokens: float, act: int, experts: int, top_k: int) -> float:
+    """HBM bytes of the router's memory-bound kernels (:func:`moe_work`)."""
+    return tokens * ((act + 12) * experts + 12 * top_k)
+
+
+def permute_bytes(tokens: float, act: int, hidden: int, top_k: int) -> float:
+    """HBM bytes a fused permute (or un-permute) moves once (:func:`moe_work`)."""
+    return tokens * (1 + top_k) * act * hidden
+
+
+def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm], tokens: float, act: int,
               deg: ParallelDims, mode: str, router_redo: Sequence[tuple[int, int, str]]) -> MoEWork:
     """The router, permutation, experts and un-permutation of MoE layer ``i`` for one rank's
     ``tokens`` (:class:`MoEWork`), per micro-batch, their HBM bytes counted kernel by kernel
@@ -171,17 +181,17 @@ def moe_work(model: Model, i: int, router: list[Gemm], experts: list[Gemm], toke
     h, k, e = model.hidden_size, model.moe.top_k, model.moe.num_experts
     per_ffn = 3 if model.mlp == "swiglu" else 2
     routed = tokens * k * deg.moe_load
-    router_bytes = tokens * ((act + 12) * e + 12 * k)
-    permute_bytes = tokens * (1 + k) * act * h
+    router = router_bytes(tokens, act, e, k)
+    moved = permute_bytes(tokens, act, h, k)
     activation_bytes = routed * per_ffn * act * model.moe.expert_ffn_hidden_size / deg.etp
     cost = Unfused(1.0, 1.0, 1.0, 1.0) if deg.moe_permute_fusion else UNFUSED_PERMUTE
-    fwd_router = Work.of(router, router_bytes)
-    fwd_permute, fwd_unpermute = (Work(bytes_accessed=permute_bytes * cost.permute),
-                                  Work(bytes_accessed=permute_bytes * cost.unpermute))
+    fwd_router = Work.of(router_gemms, router)
+    fwd_permute, fwd_unpermute = (Work(bytes_accessed=moved * cost.permute),
+                                  Work(bytes_accessed=moved * cost.unpermute))
     fwd_experts = Work.of(experts, activation_bytes)
-    bwd_router = Work.of([g for shape in router for g in shape.backward()], 2 * router_bytes)
-    bwd_permute = Work(bytes_accessed=permute_bytes * cost.permute_backward)
-    bwd_unpermute = Work(bytes_accessed=permute_bytes * cost.unpermute_backward)
+    bwd_router = Work.of([g for shape in router_gemms for g in shape.backward()], 2 * router)
+    bwd_permute = Work(bytes_accessed=moved * cost.permute_backward)
+    bwd_unpermute = Work(bytes_accessed=moved * cost.unpermute_backward)
     bwd_experts = Work.of([g for shape in experts for g in shape.backward()], 2 * activation_bytes)
     if mode == "full":  # the whole forward again, each kernel before its own backward
         bwd_router, bwd_permute = bwd_router + fwd_router, bwd_permute + fwd_permute

@@ -226,9 +226,17 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
                     costs.add_demand(demand, k, u.ep_bytes, ep_ranks, 1)
         if u.moe is not None:  # attention (TP after it), then the MoE ops around the exchanges
             # the TP collective after the attention block starts late and the router waits for
-            # the straggler again; the exchanges' own stragglers are not counted (a lower bound)
+            # the straggler again
             wait_f, after_f = 2 * wait_tp_f * (remote if cp else pre), 0.0
             wait_b = after_b = wait_tp_b * (back_remote if cp else back)
+            if u.ep_bytes and not deg.moe_ep_overlap and deg.etp == 1:
+                # on the compute stream the dispatch follows the permute and the combine the
+                # grouped GEMM, the backward's dispatch exchange the GEMMs' backward: each starts
+                # late by at least that op's stretch (the backward's combine exchange and the
+                # full recompute's follow other ops or a collective: not counted)
+                late_ep = costs.late(deg.ep)
+                wait_f += late_ep * (parts_f[1] + parts_f[2])
+                wait_b += late_ep * parts_b[2]
         elif not cp:  # one compute op, then the TP all-reduces
             wait_f = after_f = wait_tp_f * (pre + post)
             wait_b = after_b = wait_tp_b * back

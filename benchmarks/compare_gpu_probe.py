@@ -178,16 +178,20 @@ def memory_rows(files: list[Path], preset: str = "dgx-h100") -> list[dict[str, A
 
 def executor_rows(extra: dict[str, Any], preset: str) -> list[dict[str, Any]]:
     """``hzpsim execute`` of gpu_probe's Llama-shape scenario on the GPU against ``hzpsim run`` of
-    the same scenario on one GPU of ``preset``."""
+    the same scenario on one GPU of ``preset``, each strategy under the implementation profile
+    of what the executor runs (``executor.spec.IMPLEMENTATIONS``: FSDP2 for ``zero``)."""
     import sys
 
+    from hzpsim.executor.spec import IMPLEMENTATIONS
     from hzpsim.run import run_choice
     from hzpsim.scenario import scenario_from_mapping
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from gpu_probe import EXECUTOR_LLAMA_SCENARIO
 
-    mapping = {**EXECUTOR_LLAMA_SCENARIO, "cluster": {"preset": preset, "num_nodes": 1, "gpus_per_node": 1}}
+    mapping = {**EXECUTOR_LLAMA_SCENARIO, "cluster": {"preset": preset, "num_nodes": 1, "gpus_per_node": 1},
+               "strategies": [{**s, "implementation": IMPLEMENTATIONS[s["name"]]}
+                              for s in EXECUTOR_LLAMA_SCENARIO["strategies"]]}
     scenario = scenario_from_mapping(mapping)
     predicted = [run_choice(scenario, c) for c in scenario.strategies]
     out = []

@@ -232,11 +232,13 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
             if u.ep_bytes and not deg.moe_ep_overlap and deg.etp == 1:
                 # on the compute stream the dispatch follows the permute and the combine the
                 # grouped GEMM, the backward's dispatch exchange the GEMMs' backward: each starts
-                # late by at least that op's stretch (the backward's combine exchange and the
-                # full recompute's follow other ops or a collective: not counted)
+                # late by at least that op's stretch, and the kernel after it (grouped GEMM,
+                # un-permute, permute's backward) waits for the straggler again (the backward's
+                # combine exchange and the full recompute's follow other ops or a collective:
+                # not counted)
                 late_ep = costs.late(deg.ep)
-                wait_f += late_ep * (parts_f[1] + parts_f[2])
-                wait_b += late_ep * parts_b[2]
+                wait_f += 2 * late_ep * (parts_f[1] + parts_f[2])
+                wait_b += 2 * late_ep * parts_b[2]
         elif not cp:  # one compute op, then the TP all-reduces
             wait_f = after_f = wait_tp_f * (pre + post)
             wait_b = after_b = wait_tp_b * back

@@ -49,7 +49,7 @@ def topo(preset: str, num_nodes: int = 1, **kw):
         ("a100-80gb", 312, 85.056798720, 2.039),  # A100 datasheet; memory as CUDA reports it
         ("a100-40gb", 312, 40, 1.555),
         ("h100-sxm", 989.4, 81559 * 2**20 / 1e9, 3.35),  # H100 SXM5 datasheet; nvidia-smi 81559 MiB
-        ("h200", 989.4, 141, 4.8),
+        ("h200", 989.4, 143771 * 2**20 / 1e9, 4.8),  # H200 SXM datasheet; nvidia-smi 143771 MiB (141 GB nominal)
         # per GCD: half of a 383 TF / 3.2 TB/s package; memory as HIP reports a GCD, 65,520 MiB
         ("mi250x", 383 / 2, 65520 * 2**20 / 1e9, 1.6),
         ("npu-910b", 300, 64, 1.6),  # AsyncHZP paper's ~300 TF, 64 GB

@@ -11,6 +11,7 @@ hzpsim/data/model_families.yaml (:mod:`hzpsim.validation.families`).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -338,9 +339,10 @@ def _map_moe(row: dict[str, Any], strategy: dict[str, Any], assumptions: list[st
         strategy["moe_dispatcher"] = dispatcher
     if cell_text(row, "moe_ep_overlap").lower() == "true" and strategy.get("ep", 1) > 1:
         strategy["moe_ep_overlap"] = True
+    settings = {f.name for f in dataclasses.fields(strategies.get(strategy["name"]).Config)}
     for key in ("moe_grouped_gemm", "moe_permute_fusion"):
         stated = cell_text(row, key).lower()
-        if stated and whole(row, "moe_experts") and strategy.get("name") in ("nd", "asynchzp"):
+        if stated and whole(row, "moe_experts") and key in settings:  # strategies with MoE layers
             if stated not in ("true", "false"):
                 raise RowSkipped(f"{key}: {stated!r} is not true or false")
             strategy[key] = stated == "true"

@@ -629,15 +629,32 @@ def _memtrack_one(name: str, seq_len: int, layers: int, smoke: bool) -> dict[str
     return {"strategy": name, "model": model.name, "seq_len": seq_len, "layers": model.num_layers,
             "tracker": measured["peak_allocated_bytes"], "alloc": measured["cuda_allocator"],
             "by_category": measured["by_category"], "phase_peaks": measured["phase_peaks"],
-            "seconds": measured["seconds"], "s": time.perf_counter() - start, "notes": measured["notes"]}
+            "seconds": measured["seconds"], "s": time.perf_counter() - start, "notes": measured["notes"],
+            "segments": _segments() if method == "cuda" else None}
 
 
-def bench_memtrack_isolated(smoke: bool, seq_len: int, layers: int, work: Path) -> list[dict[str, Any]]:
-    """:func:`_memtrack_one` for zero, hsdp, nd and asynchzp, each in its own process."""
+def _segments() -> dict[str, Any]:
+    """Where the caching allocator's reserved memory sits after the run (it frees no segment
+    back unless asked): per stream and segment pool, the segments' bytes, the bytes still
+    allocated in them, and how many segments (``torch.cuda.memory_snapshot``)."""
+    out: dict[str, Any] = {}
+    for seg in torch.cuda.memory_snapshot():
+        key = f"stream {seg.get('stream')} {seg.get('segment_type')}"
+        entry = out.setdefault(key, {"reserved": 0, "allocated": 0, "segments": 0, "largest": 0})
+        entry["reserved"] += int(seg["total_size"])
+        entry["allocated"] += int(seg["allocated_size"])
+        entry["segments"] += 1
+        entry["largest"] = max(entry["largest"], int(seg["total_size"]))
+    return out
+
+
+def bench_memtrack_isolated(smoke: bool, seq_len: int, layers: int, work: Path,
+                            strategies: tuple[str, ...] = ("zero", "hsdp", "nd", "asynchzp")) -> list[dict[str, Any]]:
+    """:func:`_memtrack_one` for each of ``strategies``, each in its own process."""
     import subprocess
 
     rows: list[dict[str, Any]] = []
-    for name in ("zero", "hsdp", "nd", "asynchzp"):
+    for name in strategies:
         out = work / f"memtrack-{name}.json"
         cmd = [sys.executable, __file__, "--out", str(out), "--memtrack-one", name, "--seq-len", str(seq_len),
                "--layers", str(layers)] + (["--smoke"] if smoke else [])
@@ -735,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=8, help="memtrack_isolated: Llama-3-8B layers kept")
     parser.add_argument("--sustained-seconds", type=float, default=45.0, help="sustained: how long the GEMM mix runs")
     parser.add_argument("--memtrack-one", help=argparse.SUPPRESS)  # memtrack_isolated's child process
+    parser.add_argument("--memtrack-strategies", default="zero,hsdp,nd,asynchzp", help="memtrack_isolated's strategies")
     args = parser.parse_args(argv)
     if args.memtrack_one:
         Path(args.out).write_text(json.dumps(_memtrack_one(args.memtrack_one, args.seq_len, args.layers, args.smoke),
@@ -761,7 +779,8 @@ def main(argv: list[str] | None = None) -> int:
         "grouped_gemm": lambda: bench_grouped(device, timed, args.tokens, args.smoke),
         "memory_bound": lambda: bench_memory_bound(device, timed, args.smoke),
         "memtrack": lambda: bench_memtrack(args.smoke, args.seq_len),
-        "memtrack_isolated": lambda: bench_memtrack_isolated(args.smoke, args.seq_len, args.layers, out.parent),
+        "memtrack_isolated": lambda: bench_memtrack_isolated(args.smoke, args.seq_len, args.layers, out.parent,
+                                                             tuple(args.memtrack_strategies.split(","))),
         "gemm_fp8": lambda: bench_gemm_fp8(device, timed, args.tokens, args.smoke),
         "moe_kernels": lambda: bench_moe_kernels(device, timed, args.tokens, args.smoke),
         "launch": lambda: bench_launch(device, args.smoke),
@@ -847,6 +866,9 @@ def summary(result: dict[str, Any]) -> None:
             print(f"memtrack {r['strategy']:<9} tracker {r['tracker'] / 2**30:.3f} GiB allocated "
                   f"{a.get('max_allocated_bytes', math.nan) / 2**30:.3f} reserved "
                   f"{a.get('max_reserved_bytes', math.nan) / 2**30:.3f} ({r['s']:.0f} s)")
+            for key, seg in sorted((r.get("segments") or {}).items()):
+                print(f"   {key}: reserved {seg['reserved'] / 2**30:.3f} GiB, allocated {seg['allocated'] / 2**30:.3f}, "
+                      f"{seg['segments']} segments, largest {seg['largest'] / 2**20:.0f} MiB")
     runs = result.get("executor")
     if isinstance(runs, list):
         for r in runs:

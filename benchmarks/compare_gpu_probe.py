@@ -28,13 +28,6 @@ H200 = {"probe": RESULTS / "h200-probe-2026-11-27.json", "memtrack": [RESULTS / 
         "extra": RESULTS / "h200-probe-unpermute-executor-2026-11-27.json"}
 DEVICES = {"H200": ("h200", "dgx-h200"), "H100": ("h100-sxm", "dgx-h100")}
 """The device file and cluster preset of each GPU a probe names (the first key its name contains)."""
-_DEVICE = {"name": "h100-sxm"}  # the probe being compared (``main`` sets it)
-
-
-def _device() -> Device:
-    return load_device(device_file(_DEVICE["name"]))
-
-
 def device_of(probe: dict[str, Any]) -> tuple[str, str]:
     """(device file, cluster preset) of the GPU ``probe`` ran on."""
     name = str(probe.get("env", {}).get("name", ""))
@@ -44,16 +37,15 @@ def device_of(probe: dict[str, Any]) -> tuple[str, str]:
     raise SystemExit(f"compare_gpu_probe: no device file for the probe's GPU {name!r} (known: {', '.join(DEVICES)})")
 
 
-def _model(prior_attention: bool = False, dtype: str = "bf16") -> ComputeModel:
-    device = _device()
+def _model(device: Device, prior_attention: bool = False, dtype: str = "bf16") -> ComputeModel:
     eff = efficiency_for(device)
     if prior_attention:
         eff = dataclasses.replace(eff, attention_fraction=1.0)
     return ComputeModel(device, dtype, eff)
 
 
-def gemm_rows(probe: dict[str, Any]) -> list[dict[str, Any]]:
-    model = _model()
+def gemm_rows(probe: dict[str, Any], device: Device) -> list[dict[str, Any]]:
+    model = _model(device)
     out = []
     for r in probe["gemm"]:
         m, n, k = r["gemm_mnk"]
@@ -62,8 +54,8 @@ def gemm_rows(probe: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def attention_rows(probe: dict[str, Any]) -> list[dict[str, Any]]:
-    fitted, prior = _model(), _model(prior_attention=True)
+def attention_rows(probe: dict[str, Any], device: Device) -> list[dict[str, Any]]:
+    fitted, prior = _model(device), _model(device, prior_attention=True)
     out = []
     for r in probe["attention"]:
         if "error" in r:
@@ -78,14 +70,14 @@ def attention_rows(probe: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def grouped_rows(probe: dict[str, Any]) -> list[dict[str, Any]]:
+def grouped_rows(probe: dict[str, Any], device: Device) -> list[dict[str, Any]]:
     """The forward of one MoE layer's expert MLP: fc1 (gate+up, 2 x ffn) and fc2, as hzpsim times
     them (``strategies._moe.expert_gemms``: the grouped kernel as one batched GEMM over the
     rank's tokens spread evenly over its experts, SequentialMLP as one GEMM per expert).
     hzpsim's imbalance is across EP ranks (the busiest rank's token count); within a rank the
     grouped kernel's tile scheduler spreads unequal experts over the SMs, which the
     ``one_expert_2x`` rows measure."""
-    model = _model()
+    model = _model(device)
     out = []
     for r in probe["grouped_gemm"]:
         counts, h, f, e = r["tokens_per_expert"], r["hidden"], r["ffn"], r["local_experts"]
@@ -96,9 +88,9 @@ def grouped_rows(probe: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def gemm_fp8_rows(probe: dict[str, Any]) -> list[dict[str, Any]]:
+def gemm_fp8_rows(probe: dict[str, Any], device: Device) -> list[dict[str, Any]]:
     """``torch._scaled_mm`` (e4m3) against the fp8 GEMM time hzpsim charges the same shape."""
-    model, peak = _model(dtype="fp8"), _device().peak_fp8_flops_per_s or math.nan
+    model, peak = _model(device, dtype="fp8"), device.peak_fp8_flops_per_s or math.nan
     out = []
     for r in probe.get("gemm_fp8", []):
         if "seconds" not in r:
@@ -110,12 +102,12 @@ def gemm_fp8_rows(probe: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def moe_kernel_rows(probe: dict[str, Any], extra: dict[str, Any]) -> list[dict[str, Any]]:
+def moe_kernel_rows(probe: dict[str, Any], extra: dict[str, Any], device: Device) -> list[dict[str, Any]]:
     """The router, permutation and un-permutation measured against what hzpsim charges them
     (``strategies._moe.moe_work``'s bytes and router GEMM, fused and eager), per 8,192 tokens."""
     from hzpsim.strategies import _moe
 
-    model = _model()
+    model = _model(device)
     unpermute = {r["model"]: r for r in extra.get("unpermute", [])}
     out = []
     for r in probe.get("moe_kernels", []):
@@ -133,8 +125,7 @@ def moe_kernel_rows(probe: dict[str, Any], extra: dict[str, Any]) -> list[dict[s
     return out
 
 
-def memory_bound_rows(probe: dict[str, Any]) -> list[dict[str, Any]]:
-    device = _device()
+def memory_bound_rows(probe: dict[str, Any], device: Device) -> list[dict[str, Any]]:
     rate = device.memory_bytes_per_s * efficiency_for(device).hbm
     return [{**r, "predicted_gb_per_s": rate / 1e9, "fraction_of_datasheet": r["gb_per_s"] * 1e9 / device.memory_bytes_per_s}
             for r in probe["memory_bound"]]
@@ -222,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     probe, memtracks, extra = _sections(args)
-    _DEVICE["name"], preset = device_of(probe)
-    tables = {"device": _DEVICE["name"], "gemm": gemm_rows(probe), "attention": attention_rows(probe),
-              "grouped_gemm": grouped_rows(probe), "memory_bound": memory_bound_rows(probe),
-              "memory": memory_rows(memtracks, preset), "gemm_fp8": gemm_fp8_rows(probe),
-              "moe_kernels": moe_kernel_rows(probe, extra), "launch": probe.get("launch"),
+    name, preset = device_of(probe)
+    device = load_device(device_file(name))
+    tables = {"device": name, "gemm": gemm_rows(probe, device), "attention": attention_rows(probe, device),
+              "grouped_gemm": grouped_rows(probe, device), "memory_bound": memory_bound_rows(probe, device),
+              "memory": memory_rows(memtracks, preset), "gemm_fp8": gemm_fp8_rows(probe, device),
+              "moe_kernels": moe_kernel_rows(probe, extra, device), "launch": probe.get("launch"),
               "sustained": probe.get("sustained"), "executor": executor_rows(extra, preset)}
     if args.json:
         print(json.dumps(tables, indent=1, sort_keys=True, default=str))

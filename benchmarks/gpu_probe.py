@@ -808,44 +808,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _rows(result: dict[str, Any], section: str) -> list[dict[str, Any]]:
+    """A section's rows, or none when it failed (a dict with its error) or did not run."""
+    rows = result.get(section)
+    return rows if isinstance(rows, list) else []
+
+
+def _rates(name: str, rows: list[dict[str, Any]]) -> None:
+    if rows:
+        rates = [r["tflops"] for r in rows]
+        print(f"{name}: {len(rows)} shapes, TFLOP/s median {statistics.median(rates):.0f}, min {min(rates):.0f}, "
+              f"max {max(rates):.0f}")
+
+
 def summary(result: dict[str, Any]) -> None:
     """A short table of each section (the device reply shows only the end of the output)."""
-    gemm = result.get("gemm")
-    if isinstance(gemm, list) and gemm:
-        rates = [r["tflops"] for r in gemm]
-        print(f"gemm: {len(gemm)} shapes, TFLOP/s median {statistics.median(rates):.0f}, min {min(rates):.0f}, "
-              f"max {max(rates):.0f}")
-    for r in result.get("attention", []) if isinstance(result.get("attention"), list) else []:
+    _rates("gemm", _rows(result, "gemm"))
+    for r in _rows(result, "attention"):
         if "error" in r:
             print(f"attn {r['backend']} s={r['seq']} causal={r['causal']}: {r['error'][:80]}")
         else:
             print(f"attn {r['backend']:<5} s={r['seq']:>5} causal={r['causal']!s:<5} fwd {r['fwd_tflops_effective']:.0f} "
                   f"TF (dense count {r['fwd_tflops_dense_count']:.0f}) bwd/fwd {r['bwd_over_fwd']:.2f}")
-    for r in result.get("grouped_gemm", []) if isinstance(result.get("grouped_gemm"), list) else []:
+    for r in _rows(result, "grouped_gemm"):
         g, s = r.get("grouped_fwd_tflops"), r.get("sequential_fwd_tflops")
         gb = r.get("grouped_fwd_bwd_tflops")
         print(f"moe {r['model']:<16} ep={r['ep']:<3} E={r['local_experts']:<3} {r['case']:<13} grouped "
               f"{'-' if g is None else f'{g:.0f}'} (+bwd {'-' if gb is None else f'{gb:.0f}'}) seq "
               f"{'-' if s is None else f'{s:.0f}'} TF")
-    for r in result.get("memory_bound", []) if isinstance(result.get("memory_bound"), list) else []:
+    for r in _rows(result, "memory_bound"):
         print(f"mem {r['op']:<22} {r['gb_per_s']:.0f} GB/s")
-    fp8 = [r for r in result.get("gemm_fp8", []) if isinstance(r, dict) and "tflops" in r] \
-        if isinstance(result.get("gemm_fp8"), list) else []
-    if fp8:
-        rates = [r["tflops"] for r in fp8]
-        print(f"gemm_fp8: {len(fp8)} shapes, TFLOP/s median {statistics.median(rates):.0f}, min {min(rates):.0f}, "
-              f"max {max(rates):.0f}")
-    for r in result.get("gemm_fp8", []) if isinstance(result.get("gemm_fp8"), list) else []:
+    _rates("gemm_fp8", [r for r in _rows(result, "gemm_fp8") if "tflops" in r])
+    for r in _rows(result, "gemm_fp8"):
         if "error" in r:
             print(f"gemm_fp8 {r.get('model')} {r.get('layer')}: {r['error'][:120]}")
-    for r in result.get("moe_kernels", []) if isinstance(result.get("moe_kernels"), list) else []:
+    for r in _rows(result, "moe_kernels"):
         if "error" in r:
             print(f"moe_kernels {r['model']}: {r['error'][:120]}")
         else:
             print(f"moe_kernels {r['model']:<16} router {r['router_fwd_s'] * 1e3:.3f} ms permute "
                   f"{r['permute_fwd_s'] * 1e3:.3f} unpermute {r['unpermute_fwd_s'] * 1e3:.3f} all fwd+bwd "
                   f"{r['router_permute_unpermute_fwd_bwd_s'] * 1e3:.3f}")
-    for r in result.get("unpermute", []) if isinstance(result.get("unpermute"), list) else []:
+    for r in _rows(result, "unpermute"):
         print(f"unpermute {r['model']:<16} " + " ".join(f"{k[:-2]} {v * 1e3:.3f} ms" for k, v in sorted(r.items())
                                                          if k.endswith("_s")))
     launch = result.get("launch")
@@ -858,7 +862,7 @@ def summary(result: dict[str, Any]) -> None:
         print("sustained TFLOP/s per window: " + " ".join(f"{x['tflops']:.0f}" for x in w)
               + f" | clock {w[0].get('sm_clock_mhz')}->{w[-1].get('sm_clock_mhz')} MHz, power "
               f"{w[0].get('power_w')}->{w[-1].get('power_w')} W")
-    for r in result.get("memtrack_isolated", []) if isinstance(result.get("memtrack_isolated"), list) else []:
+    for r in _rows(result, "memtrack_isolated"):
         if "error" in r:
             print(f"memtrack {r['strategy']}: {r['error']} {r.get('stderr', '')[-400:]}")
         else:
@@ -876,7 +880,7 @@ def summary(result: dict[str, Any]) -> None:
                   f"peak {r.get('peak_memory_bytes')} ({r.get('peak_memory_method')}), step {r.get('step_time_s')}")
     elif isinstance(runs, dict):
         print(f"executor: {runs.get('error')} {str(runs.get('stderr', ''))[-300:]}")
-    for r in result.get("memtrack", []) if isinstance(result.get("memtrack"), list) else []:
+    for r in _rows(result, "memtrack"):
         if "error" in r:
             print(f"memtrack {r['strategy']}: {r['error'][:200]}")
         elif "measured_peak_allocated_bytes" in r:

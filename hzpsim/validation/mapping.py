@@ -339,10 +339,13 @@ def _map_moe(row: dict[str, Any], strategy: dict[str, Any], assumptions: list[st
         strategy["moe_dispatcher"] = dispatcher
     if cell_text(row, "moe_ep_overlap").lower() == "true" and strategy.get("ep", 1) > 1:
         strategy["moe_ep_overlap"] = True
+    stated_keys = [k for k in ("moe_grouped_gemm", "moe_permute_fusion") if cell_text(row, k)]
+    if not stated_keys or not whole(row, "moe_experts"):
+        return
     settings = {f.name for f in dataclasses.fields(strategies.get(strategy["name"]).Config)}
-    for key in ("moe_grouped_gemm", "moe_permute_fusion"):
+    for key in stated_keys:
         stated = cell_text(row, key).lower()
-        if stated and whole(row, "moe_experts") and key in settings:  # strategies with MoE layers
+        if key in settings:  # strategies with MoE layers
             if stated not in ("true", "false"):
                 raise RowSkipped(f"{key}: {stated!r} is not true or false")
             strategy[key] = stated == "true"

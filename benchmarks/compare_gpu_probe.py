@@ -76,15 +76,24 @@ def grouped_rows(probe: dict[str, Any], device: Device) -> list[dict[str, Any]]:
     rank's tokens spread evenly over its experts, SequentialMLP as one GEMM per expert).
     hzpsim's imbalance is across EP ranks (the busiest rank's token count); within a rank the
     grouped kernel's tile scheduler spreads unequal experts over the SMs, which the
-    ``one_expert_2x`` rows measure."""
+    ``one_expert_2x`` rows measure.
+
+    The probe's forward also runs the eager SwiGLU between the two GEMMs (``silu`` of the gate,
+    its product with ``up``), which hzpsim charges as 5 bytes per intermediate element
+    (``activations.activation_fn_bytes_per_ffn``) at the memory-bound rate; the prediction
+    includes it (``predicted_activation_fwd_s``), as the measurement does."""
     model = _model(device)
+    hbm = device.memory_bytes_per_s * efficiency_for(device).hbm
+    eager_swiglu = 5  # activations.activation_fn_bytes_per_ffn of an eager SwiGLU
     out = []
     for r in probe["grouped_gemm"]:
         counts, h, f, e = r["tokens_per_expert"], r["hidden"], r["ffn"], r["local_experts"]
         mean = sum(counts) / e  # the rank's tokens spread over its experts: what hzpsim charges
-        grouped = model.gemm_s(mean, 2 * f, h, batch=e) + model.gemm_s(mean, h, f, batch=e)
-        sequential = sum(model.gemm_s(c, 2 * f, h) + model.gemm_s(c, h, f) for c in counts)
-        out.append({**r, "predicted_grouped_fwd_s": grouped, "predicted_sequential_fwd_s": sequential})
+        activation = eager_swiglu * 2 * sum(counts) * f / hbm  # bf16 intermediate
+        grouped = model.gemm_s(mean, 2 * f, h, batch=e) + model.gemm_s(mean, h, f, batch=e) + activation
+        sequential = sum(model.gemm_s(c, 2 * f, h) + model.gemm_s(c, h, f) for c in counts) + activation
+        out.append({**r, "predicted_grouped_fwd_s": grouped, "predicted_sequential_fwd_s": sequential,
+                    "predicted_activation_fwd_s": activation})
     return out
 
 
@@ -264,6 +273,10 @@ def print_tables(tables: dict[str, Any]) -> None:
               f"{r['predicted_sequential_fwd_s'] * 1e3:7.3f}   (fwd+bwd measured: grouped {r.get('grouped_fwd_bwd_s', 0) * 1e3:.3f}, "
               f"sequential {r.get('sequential_fwd_bwd_s', 0) * 1e3:.3f})"
               + (f"  fp8 grouped fwd {fp8 * 1e3:.3f}" if fp8 else ""))
+    grouped = [r["grouped_fwd_s"] / r["predicted_grouped_fwd_s"] for r in tables["grouped_gemm"] if r.get("grouped_fwd_s")]
+    if grouped:
+        print(f"  grouped, measured / predicted (the eager SwiGLU included): median {statistics.median(grouped):.3f} "
+              f"({min(grouped):.3f}-{max(grouped):.3f})")
     if tables["moe_kernels"]:
         print("\nMoE router / permutation, 8,192 tokens, forward ms: measured | hzpsim's charge")
         for r in tables["moe_kernels"]:
@@ -272,7 +285,9 @@ def print_tables(tables: dict[str, Any]) -> None:
                   f"   un-permute (scatter_add_) {r['unpermute_s'] * 1e3:6.3f} | eager {r['unpermute_eager_s'] * 1e3:6.3f}")
     print("\nmemory-bound kernels: measured GB/s, fraction of the datasheet | hzpsim's rate")
     for r in tables["memory_bound"]:
-        print(f"{r['op']:<24} {r['gb_per_s']:7.0f} {r['fraction_of_datasheet']:6.2f} | {r['predicted_gb_per_s']:7.0f}")
+        print(f"{r['op']:<24} {r['gb_per_s']:7.0f} {r['fraction_of_datasheet']:6.2f} | {r['predicted_gb_per_s']:7.0f}"
+              + ("   (the probe counts the fused 3 bytes per element; the eager silu and product move 5: "
+                 f"{r['fraction_of_datasheet'] * 5 / 3:.2f} of the datasheet)" if r["op"] == "swiglu_fwd" else ""))
     if isinstance(tables["launch"], dict):
         from hzpsim.strategies._implementations import COLLECTIVE_CALL_S, KERNEL_LAUNCH_S
 

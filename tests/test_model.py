@@ -378,6 +378,39 @@ def test_elementwise_traffic_of_a_gpt_layer_is_46h_bytes_per_token():
     assert total == 46 * 1024
 
 
+def test_swiglu_moves_5_bytes_per_element_eager_and_3_fused():
+    """Eager SwiGLU is two kernels, silu (read, write) and the product (2 reads, write): 5·B·f;
+    fused (Megatron's bias_swiglu_impl, torch.compile) one kernel: 3·B·f; GELU 2·B·f either way.
+    The layer's traffic follows ``training.fused_pointwise``, for routed experts too."""
+    from hzpsim.model import activations
+    from hzpsim.model.training import Training
+    from hzpsim.strategies._dims import ParallelDims
+    from hzpsim.strategies._model_parallel import mp_units
+
+    m = _tiny()
+    assert m.mlp == "swiglu"
+    assert activations.activation_fn_bytes_per_ffn(m, fused=False) == 5
+    assert activations.activation_fn_bytes_per_ffn(m, fused=True) == 3
+    assert activations.activation_fn_bytes_per_ffn(dataclasses.replace(m, mlp="gelu"), fused=False) == 2
+    assert m.elementwise_bytes_per_token(0)["activation_fn"][0] == 5 * 2 * m.ffn_hidden_size
+
+    def traffic(model, fused: bool, moe: bool = False) -> float:
+        training = Training(global_batch_size=8, micro_batch_size=1, fused_kernels=fused)
+        unit = mp_units(model, training, ParallelDims(dp=1, tp=1, pp=1))[1]
+        if moe:
+            assert unit.moe is not None
+            return unit.moe.experts.bytes_accessed
+        return unit.pre.bytes_accessed + unit.post.bytes_accessed
+
+    # the fused kernels also fold the residual adds and dropouts: compare with those alone
+    eager_minus_fused = traffic(m, False) - traffic(m, True)
+    gelu = dataclasses.replace(m, mlp="gelu")
+    assert eager_minus_fused - (traffic(gelu, False) - traffic(gelu, True)) == pytest.approx(
+        2 * 2 * m.ffn_hidden_size * m.seq_len, rel=1e-9)
+    mixtral = load("mixtral-8x7b")
+    assert traffic(mixtral, False, moe=True) == pytest.approx(traffic(mixtral, True, moe=True) * 5 / 3, rel=1e-9)
+
+
 def test_torchtitan_op_sac_policy_recomputes_every_second_mm():
     """The per-op policy lives in hzpsim.model.checkpointing under torchtitan's name; a Llama
     layer (wq, wk, wv, wo, w1, w3, w2) runs wk, wo and w3 again; Model's method is that function."""

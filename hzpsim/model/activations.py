@@ -102,13 +102,35 @@ def activation_terms_per_token(
     return terms
 
 
+def activation_fn_bytes_per_ffn(model: Model, fused: bool) -> int:
+    """HBM bytes the MLP's activation function moves per element of one B-byte intermediate
+    (per token and per unit of the FFN width), in units of B.
+
+    - GELU: one kernel, reads and writes the intermediate: 2.
+    - SwiGLU, eager (torchtitan's ``F.silu(w1(x)) * w3(x)``, Hugging Face's
+      ``act_fn(gate_proj(x)) * up_proj(x)``): ``silu`` reads the gate and writes its output,
+      then ``mul`` reads that and ``up`` and writes the product: 5.
+    - SwiGLU, fused (Megatron-Core's ``fused_bias_swiglu.py::bias_swiglu_impl``, on by default
+      through ``--bias-swiglu-fusion``; torch.compile's one Inductor kernel): reads gate and up,
+      writes the product: 3.
+
+    [MEA] The eager pair measured on an H100 and an H200 (``benchmarks/gpu_probe.py``,
+    ``swiglu_fwd``) reaches 0.30 / 0.22 of the HBM datasheet on the fused count, 0.49 / 0.37
+    on these 5: the rate of the other eager kernels (RMSNorm 0.53 / 0.50), so the eager pair
+    does move 5·B·f (docs/gpu-measurements.md)."""
+    if model.mlp != "swiglu":
+        return 2
+    return 3 if fused else 5
+
+
 def elementwise_bytes_per_token(model: Model, i: int, act_bytes: int = 2) -> dict[str, tuple[float, str]]:
     """HBM bytes the memory-bound kernels of layer ``i``'s forward move per token, eager and
     unfused (bias adds are fused into GEMM epilogues and not counted) [INF, counted kernel
     by kernel]: each norm reads its input and writes its output (2·B·h); each residual add
     reads two tensors and writes one (3·B·h); each dropout reads and writes B·h and writes a
-    1-byte mask; RoPE reads and writes Q and K; GELU reads and writes the B·f intermediate,
-    SwiGLU reads gate and up and writes their product (3·B·f); an MoE layer also permutes
+    1-byte mask; RoPE reads and writes Q and K; GELU reads and writes the B·f intermediate;
+    SwiGLU is two eager kernels, ``silu(gate)`` (reads and writes B·f) and its product with
+    ``up`` (reads two, writes one): 5·B·f (:func:`activation_fn_bytes_per_ffn`); an MoE layer also permutes
     and un-permutes its top_k token copies (read + write each way). Same kinds as
     activation_terms_per_token ("replicated" / "split" under tensor parallelism). A GPT
     layer (MHA, GELU, 4h, dropout, B = 2) moves 46·h bytes per token.
@@ -123,7 +145,7 @@ def elementwise_bytes_per_token(model: Model, i: int, act_bytes: int = 2) -> dic
     if model.position_embedding == "rope" and model.mla is None:
         d = model.head_dim_resolved
         terms["rope"] = (2 * B * (model.num_heads + model.kv_heads) * d, "split")
-    per_ffn = 3 if model.mlp == "swiglu" else 2
+    per_ffn = activation_fn_bytes_per_ffn(model, fused=False)
     if model.is_moe_layer(i):
         assert model.moe is not None
         k = model.moe.top_k

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 from hzpsim.hardware.placement import Placement
 from hzpsim.model import Model
+from hzpsim.model.activations import activation_fn_bytes_per_ffn
 from hzpsim.model.kernels import Attention, Gemm, Shape
 from hzpsim.model.ops import MemoryDelta, Ranks, memory_delta
 from hzpsim.model.training import Training
@@ -210,8 +211,9 @@ def _tp_calls(role: str, per_pass: int, deg: ParallelDims, recompute: str) -> di
 #: ``bias_dropout_add_fused_train``, TE's fused norm and residual paths): a residual add and the norm after it become one
 #: kernel that reads the two summands and writes the sum and the normalised output (4·B·h
 #: per token where eager moves 3·B·h + 2·B·h), and the dropout's read and write fold into
-#: the same kernel (its 1-byte mask remains); RoPE and the activation function are single
-#: kernels already. Factor on each ``Model.elementwise_bytes_per_token`` term.
+#: the same kernel (its 1-byte mask remains); RoPE and GELU are single kernels already, and
+#: SwiGLU's ``silu`` and product become one (``activations.activation_fn_bytes_per_ffn``).
+#: Factor on each ``Model.elementwise_bytes_per_token`` term.
 _FUSED_BY_COMPILE = {"norms": 1.0, "residual_adds": 2.0 / 3.0, "dropouts": 1.0 / 5.0}
 
 
@@ -299,6 +301,8 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
                     + model.moe.num_shared_experts * model.moe.shared_ffn_resolved)
             if training.fused_pointwise and name in _FUSED_BY_COMPILE:
                 per_token *= _FUSED_BY_COMPILE[name]
+            elif training.fused_pointwise and name == "activation_fn":
+                per_token *= activation_fn_bytes_per_ffn(model, True) / activation_fn_bytes_per_ffn(model, False)
             traffic += per_token / (t if kind == "split" or deg.sequence_parallel else 1)
         if training.autocast:  # each GEMM input is cast fp32 -> bf16: read 4, write 2 bytes
             d = model.head_dim_resolved
@@ -356,7 +360,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
         if moe:  # the MLP block runs around the dispatcher: its shared experts with the attention
             pre, post = pre + post, Work()
             moe_work = _moe.moe_work(model, i, router, experts, sp_tokens, elementwise_bytes, deg, mode,
-                                 redo["router"] if mode == "op" else [])
+                                     redo["router"] if mode == "op" else [], training.fused_pointwise)
         local_bwd: list[Shape] = [s for s in backward_shapes if not isinstance(s, Attention)]
         local_bwd += [a._replace(calls=a.calls / c) for a in backward_shapes if isinstance(a, Attention)]
         backward = Work.of(local_bwd, backward_traffic)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from hzpsim.model import Model
+from hzpsim.model.activations import activation_fn_bytes_per_ffn
 from hzpsim.model.kernels import Gemm
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._layers import Work, linear_gemms
@@ -156,7 +157,8 @@ def permute_bytes(tokens: float, act: int, hidden: int, top_k: int) -> float:
 
 
 def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm], tokens: float, act: int,
-              deg: ParallelDims, mode: str, router_redo: Sequence[tuple[int, int, str]]) -> MoEWork:
+              deg: ParallelDims, mode: str, router_redo: Sequence[tuple[int, int, str]],
+              fused_pointwise: bool = False) -> MoEWork:
     """The router, permutation, experts and un-permutation of MoE layer ``i`` for one rank's
     ``tokens`` (:class:`MoEWork`), per micro-batch, their HBM bytes counted kernel by kernel
     [INF, after Megatron-Core ``moe/router.py::TopKRouter`` and ``moe/moe_utils.py::permute`` /
@@ -172,14 +174,14 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
       (``deg.moe_permute_fusion`` False) each is the eager sequence's measured multiple of
       that (:data:`UNFUSED_PERMUTE`);
     - experts: the grouped GEMMs (:func:`expert_gemms`) and the activation function over the
-      busiest rank's copies (SwiGLU reads gate and up and writes their product, 3·B·f; GELU
-      2·B·f), weights and intermediate split by etp.
+      busiest rank's copies (SwiGLU 5·B·f eager, 3·B·f fused by ``fused_pointwise``; GELU
+      2·B·f: ``activations.activation_fn_bytes_per_ffn``), weights and intermediate split by etp.
 
     The full recompute repeats the whole forward; per-op SAC (``op``) repeats the routed GEMMs
     and the router's recomputed linears (``router_redo``)."""
     assert model.moe is not None
     h, k, e = model.hidden_size, model.moe.top_k, model.moe.num_experts
-    per_ffn = 3 if model.mlp == "swiglu" else 2
+    per_ffn = activation_fn_bytes_per_ffn(model, fused_pointwise)
     routed = tokens * k * deg.moe_load
     router = router_bytes(tokens, act, e, k)
     moved = permute_bytes(tokens, act, h, k)

@@ -9,8 +9,10 @@ from hzpsim.run import run_choice
 
 
 def without_variability(scenario):
-    """The same scenario with ``cluster.variability: 0`` (the deterministic model)."""
-    return dataclasses.replace(scenario, cluster=dataclasses.replace(scenario.cluster, variability=0.0))
+    """The same scenario with ``cluster.variability`` and ``variability_persistent`` 0 (the
+    deterministic model)."""
+    return dataclasses.replace(scenario, cluster=dataclasses.replace(scenario.cluster, variability=0.0,
+                                                                     variability_persistent=0.0))
 
 
 def assert_symmetry_matches_expansion(scenario) -> None:

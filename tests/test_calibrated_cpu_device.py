@@ -270,7 +270,8 @@ def test_at_load_scales_every_cpu_cost_and_the_prediction():
 def _pool_topology(cores, world=4, cpu_costs=()):
     """A local-cpu node of ``world`` ranks sharing ``cores`` (Device.node_cpu_cores), at unit
     rates so that a GEMM of ``peak`` FLOPs is one CPU second alone on a core."""
-    topology = build_topology(ClusterSpec(preset="local-cpu", gpus_per_node=world, variability=0.0))
+    topology = build_topology(ClusterSpec(preset="local-cpu", gpus_per_node=world, variability=0.0,
+                                          variability_persistent=0.0))
     topology.device = dataclasses.replace(topology.device, node_cpu_cores=cores, collective_costs=COSTS,
                                           collective_cpu_costs=cpu_costs)
     return topology

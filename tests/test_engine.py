@@ -19,7 +19,8 @@ NDR_ACHIEVED = 50e9 * 0.94
 
 def dgx_h100(nodes: int = 1, variability: float = 0.0):
     """Closed forms assume no stragglers: variability off unless asked for."""
-    return build_topology(ClusterSpec(preset="dgx-h100", num_nodes=nodes, variability=variability))
+    return build_topology(ClusterSpec(preset="dgx-h100", num_nodes=nodes, variability=variability,
+                                      variability_persistent=0.0))
 
 
 def one_second_gemm() -> dict[str, float]:

@@ -24,7 +24,7 @@ GPT = {  # GPT-style (MHA, GELU, ffn = 4h, dropout): Korthikanti's 34 sbh per la
 FREE_LINKS = {
     "intra_node_bytes_per_s": 1e18, "inter_node_bytes_per_s_per_device": 1e18, "inter_island_bytes_per_s": 1e18,
     "intra_node_latency_s": 0.0, "inter_node_latency_s": 0.0, "inter_island_latency_s": 0.0,
-    "variability": 0.0,  # no waiting for stragglers either: the closed forms assume none
+    "variability": 0.0, "variability_persistent": 0.0,  # no waiting for stragglers either: the closed forms assume none
 }
 
 
@@ -201,7 +201,7 @@ def test_fsdp_with_tp_shards_each_tensor_parallel_shard_over_dp():
 
 def test_time_breakdown_accounts_for_the_whole_step_and_names_the_exposed_tp():
     # idle = the bubble: no stragglers, and no host thread (this small model is launch-bound in eager mode)
-    sc = scenario({"tp": 4, "pp": 2, "implementation": "ideal"}, cluster={"variability": 0.0})
+    sc = scenario({"tp": 4, "pp": 2, "implementation": "ideal"}, cluster={"variability": 0.0, "variability_persistent": 0.0})
     report = run_choice(sc, sc.strategies[0])
     parts = report["time_breakdown_s"]
     assert sum(parts.values()) == pytest.approx(report["step_time_s"])

@@ -40,7 +40,7 @@ def scenario(strategy: dict, nodes: int = 1, micro_batch: int = 256, micro_batch
     return scenario_from_mapping({
         "model": "tiny-dense",
         "training": {"global_batch_size": micro_batch * 8 * nodes * micro_batches, "micro_batch_size": micro_batch},
-        "cluster": {"preset": "dgx-h100", "num_nodes": nodes, "variability": 0.0, **(cluster or {})},
+        "cluster": {"preset": "dgx-h100", "num_nodes": nodes, "variability": 0.0, "variability_persistent": 0.0, **(cluster or {})},
         "strategy": {"implementation": "ideal", **strategy},
     })
 

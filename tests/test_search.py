@@ -86,11 +86,11 @@ def _check_bounds(scenario, candidates):
 
 
 def _with_variability(data, cv):
-    return {**data, "cluster": {**data["cluster"], "variability": cv}}
+    return {**data, "cluster": {**data["cluster"], "variability": cv, "variability_persistent": cv}}
 
 
 @pytest.mark.parametrize("data,every,tightness", [
-    (SMALL, 7, 0.85), (_with_variability(SMALL, 0.0), 13, 0.85), (_with_variability(SMALL, 0.05), 13, 0.85),
+    (SMALL, 7, 0.85), (_with_variability(SMALL, 0.0), 13, 0.85), (_with_variability(SMALL, 0.05), 13, 0.80),
     (MOE, 3, 0.0),
 ], ids=["dense", "dense-no-variability", "dense-high-variability", "moe"])
 def test_bounds_never_exceed_the_simulation(data, every, tightness):
@@ -103,7 +103,8 @@ def test_bounds_never_exceed_the_simulation(data, every, tightness):
     assert len(tight) >= 25
     # and they are worth having: on average within 15 % of the simulated step (the tiny MoE
     # model's steps are collective latencies and host work, which the bound leaves out: valid,
-    # not tight)
+    # not tight; within 20 % at a persistent cv of 0.05, whose waits the bound leaves out too:
+    # a late rendezvous may hide behind compute, so no part of them is sure to lengthen the step)
     assert sum(tight) / len(tight) > tightness
 
 
@@ -144,7 +145,8 @@ def test_bounds_hold_at_gpt3_scale():
     assert all(S.check(scenario, c) is None for c in GPT3_LAYOUTS)
     tight = _check_bounds(scenario, GPT3_LAYOUTS)
     assert len(tight) == len(GPT3_LAYOUTS)
-    assert min(tight) > 0.9, tight  # the refined bound within 10 %
+    # the refined bound within 12 % (10 % before the persistent stragglers' waits, which it leaves out)
+    assert min(tight) > 0.88, tight
 
 
 @pytest.mark.slow

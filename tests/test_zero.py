@@ -21,7 +21,7 @@ def scenario(stage: int, nodes: int = 2, gbs: int = 32, **training):
         {
             "model": "tiny-dense",
             "training": {"global_batch_size": gbs, **training},
-            "cluster": {"preset": "dgx-h100", "num_nodes": nodes, "variability": 0.0},
+            "cluster": {"preset": "dgx-h100", "num_nodes": nodes, "variability": 0.0, "variability_persistent": 0.0},
             "strategy": {"name": "zero", "stage": stage, "implementation": "ideal"},
         }
     )

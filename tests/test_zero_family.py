@@ -122,7 +122,7 @@ def _exposed(strategy: dict, nic_bytes_per_s: float, variability: float = 0.0) -
         "model": "llama2-13b",
         "training": {"global_batch_size": 256, "activation_recompute": "full"},
         "cluster": {"preset": "hzp-npu", "num_nodes": 4, "inter_node_bytes_per_s_per_device": nic_bytes_per_s,
-                    "variability": variability},
+                    "variability": variability, "variability_persistent": 0.0},
         "strategy": strategy,
     })
     return run_choice(sc, sc.strategies[0])

@@ -63,14 +63,26 @@ _NCCL_NET_RING_STEP_S = 14.0e-6
 
 _COUNT_FIELDS = ("num_nodes", "gpus_per_node", "islands_per_node", "nodes_per_leaf")
 
-#: Default coefficient of variation of a rank's time between synchronisations. MegaScale
-#: (Jiang et al., NSDI'24, Fig. 7) shows per-rank compute latency of one step spanning about
-#: 2.0-2.5 s over 12,288 GPUs; for normal draws that range is ~7.8 sigma, so sigma/mean =
-#: (0.5 / 2.25) / 7.8 = 0.028. Plausible range 0.005-0.05. Derived from that figure, NOT
-#: fitted (``hzpsim calibrate`` fits only calibration/constants.py); the source describes
-#: persistently slow machines, which independent per-step draws do not model
-#: (docs/validation.md, "Hand-set constants").
-DEFAULT_VARIABILITY = 0.028
+#: Default coefficient of variation of a rank's per-step noise: its time between two
+#: synchronisations varies from one to the next (GC pauses, OS and Python jitter) [SRC: Lin et
+#: al., "Understanding Stragglers in Large Model Training Using What-if Analysis", OSDI'25,
+#: §4.3-4.4: over 3,079 jobs of >= 128 GPUs, "no obvious positive correlation between the
+#: slowdown and job size"]. Derivation: noise of cv c makes a rendezvous wait c·E[max of N]
+#: of the stretch, and E[max] grows from 2.6 (N = 128) to 3.9 (N = 10,000), so c = 0.03 would
+#: add about 4 % more at 10,000 GPUs than at 128; a trend that size would show, 0.01 (1.3 %)
+#: would not. 0.01, range 0.005-0.03 (docs/hardware-constants.md §7). Derived, NOT fitted
+#: (``hzpsim calibrate`` fits only calibration/constants.py).
+DEFAULT_VARIABILITY = 0.01
+#: Default coefficient of variation of a device's persistent speed: some devices are slower
+#: than their peers for the whole run (manufacturing spread, power management). [SRC: Sinha et
+#: al., "Not All GPUs Are Created Equal", SC'22: 8 % performance variation across identical
+#: GPUs of five clusters; Meta, PRISM, arXiv 2510.15596: up to 14 % GEMM performance variation
+#: over 64,000 GPUs; MegaScale, NSDI'24 §5.1 / §6.3: hosts about 10 % slower, about 0.5 % of
+#: them, were found and removed.] Derivation: read as the range of normal draws, 8 % over a
+#: few thousand GPUs (about 6.5 sigma) is sigma = 1.2 %, 14 % over 64,000 (8.2 sigma) 1.7 %;
+#: 0.012, range 0.005-0.03, for a cluster screened for outlier hosts as MegaScale's was
+#: (docs/hardware-constants.md §7). Derived, NOT fitted.
+DEFAULT_VARIABILITY_PERSISTENT = 0.012
 _RATE_FIELDS = ("intra_node_bytes_per_s", "inter_island_bytes_per_s", "inter_node_bytes_per_s_per_device")
 _EFFICIENCY_FIELDS = ("intra_node_efficiency", "inter_island_efficiency", "inter_node_efficiency")
 _LATENCY_FIELDS = ("intra_node_latency_s", "inter_island_latency_s", "inter_node_latency_s")
@@ -143,9 +155,14 @@ class ClusterSpec:
       achieved fraction of line rate (0 < η ≤ 1; ``None`` → preset's).
     * ``intra_node_latency_s``, ``inter_island_latency_s``, ``inter_node_latency_s`` — α per
       ring step at that level (seconds, ≥ 0; ``None`` → preset's).
-    * ``variability`` — coefficient of variation of a rank's time between synchronisations
-      (0 ≤ cv < 1; ``None`` → the preset's, else ``DEFAULT_VARIABILITY``); a collective over N
-      ranks waits for the slowest of N draws. 0 switches it off.
+    * ``variability`` — coefficient of variation of a rank's per-step noise, its time between
+      synchronisations drawn anew each time (0 ≤ cv < 1; ``None`` → the preset's, else
+      ``DEFAULT_VARIABILITY``); a collective over N ranks waits for the slowest of N draws.
+      0 switches it off.
+    * ``variability_persistent`` — coefficient of variation of a device's persistent speed
+      (0 ≤ cv < 1; ``None`` → the preset's, else ``DEFAULT_VARIABILITY_PERSISTENT``): the
+      slowest of a group's devices is slow at every rendezvous, so its lateness grows with all
+      the work since the step began. 0 switches it off.
     * ``variability_seed`` — seed of the draws under ``--expand`` (count ≥ 0; 0).
     * ``stragglers`` — explicit what-ifs (list of :class:`Straggler`; none): a slow device
       (``{device: 17, compute_slowdown: 1.5}``), a slow node (``{node: 3, compute_slowdown:
@@ -175,6 +192,7 @@ class ClusterSpec:
     min_memory_headroom_bytes: float = 0.0  # a layout fits only with at least this much device memory left
     variability: float | None = None  # cv of per-rank time between synchronisations; None = default
     variability_seed: int | None = None  # seed of the sampled draws under --expand; None = 0
+    variability_persistent: float | None = None  # cv of a device's persistent speed; None = default
     stragglers: tuple[Straggler, ...] = ()  # explicit slow devices, nodes and links; none by default
     price_per_device_hour: float | None = None  # what one device costs per hour: the run's cost in the report
     node_overhead_w: float | None = None  # a node's power besides its accelerators at load (W); None = preset's, else 0
@@ -212,9 +230,10 @@ class ClusterSpec:
             # beyond 1e9 s (32 years) per ring step the simulated clock's sums overflow to nan
             if v is not None and not (_is_number(v) and 0 <= v <= 1e9):
                 raise ValueError(f"{name}: must be a number of seconds in [0, 1e9], got {v!r}")
-        v = self.variability
-        if v is not None and not (_is_number(v) and 0 <= v < 1):
-            raise ValueError(f"variability: must be a coefficient of variation in [0, 1), got {v!r}")
+        for name in ("variability", "variability_persistent"):
+            v = getattr(self, name)
+            if v is not None and not (_is_number(v) and 0 <= v < 1):
+                raise ValueError(f"{name}: must be a coefficient of variation in [0, 1), got {v!r}")
         v = self.variability_seed
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0):
             raise ValueError(f"variability_seed: must be an integer >= 0, got {v!r}")
@@ -295,6 +314,8 @@ class ClusterSpec:
             values["variability"] = DEFAULT_VARIABILITY
         if values["variability_seed"] is None:
             values["variability_seed"] = 0
+        if values["variability_persistent"] is None:
+            values["variability_persistent"] = DEFAULT_VARIABILITY_PERSISTENT
         # the device's file, read once here (the Topology reuses it)
         device = get_device(values["device"]) if values["device"] is not None else None
         if values["device_memory_bytes"] is None and device is not None:
@@ -403,6 +424,8 @@ class ResolvedCluster:
     """Coefficient of variation of a rank's time between synchronisations (0 = off)."""
     variability_seed: int
     """Seed of the sampled draws under ``--expand``."""
+    variability_persistent: float = 0.0
+    """Coefficient of variation of a device's persistent speed (0 = off)."""
     stragglers: tuple[Straggler, ...] = ()
     """Explicit slow devices, nodes and links (validated, in range)."""
     price_per_device_hour: float | None = None

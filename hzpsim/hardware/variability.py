@@ -1,7 +1,16 @@
 """What grows with scale: every collective waits for its slowest participant.
 
-A rank's time between two synchronisations varies from rank to rank (clocks under power and
-thermal limits, OS and Python jitter, slow devices). With a coefficient of variation ``cv`` of
+A rank's time between two synchronisations varies from rank to rank, in two ways the sources
+tell apart (docs/hardware-constants.md §7):
+
+- **per-step noise** (``cluster.variability``): GC pauses, OS and Python jitter, drawn anew
+  for every stretch of work (Lin et al., OSDI'25, §5.4: GC pauses of hundreds of milliseconds
+  hit different workers at different steps);
+- **persistent slowness** (``cluster.variability_persistent``): some devices are slower than
+  their peers for the whole run (Sinha et al., SC'22; MegaScale, NSDI'24 §6.3: the same hosts
+  about 10 % slower in every experiment).
+
+**Noise.** With a coefficient of variation ``cv`` of
 each stretch of device work between two synchronisations, drawn independently, a collective
 over N ranks starts ``cv · W · E[max(0, max of N standard normal draws)]`` late: the expected
 lateness of the slowest of N, where ``W`` is the standard deviation unit of the work since
@@ -20,7 +29,17 @@ noise mostly averages out by the next large synchronisation — which is why hie
 groups (AsyncHZP, HSDP) wait for fewer stragglers than one flat group. Send/recv pairs are not charged: a
 pipeline stage already waits for its neighbour's data. The collective's own transfer is not
 stretched (no source shows per-transfer noise; MegaScale's spread is of per-rank compute).
-``cv = 0`` gives exactly the deterministic model.
+
+**Persistent slowness.** A device of speed z standard deviations below the mean is late by
+``cv_p · z`` of all the work it has done, at every rendezvous, and its group waits for it: a
+group of N ranks, having done work ``w`` since the run began, is behind by ``cv_p ·
+E[max(0, max of N)] · w`` (sampled under ``--expand``: one draw per device, for the whole run,
+seeded by the device), less what its members already waited for at earlier rendezvous. Unlike
+the noise this does not average out over many short stretches: the lateness grows with the
+work, so between two rendezvous of the whole world it is ``cv_p · E[max]`` of the compute in
+between, whatever smaller groups met in the meantime — the slowest device sets the pace, as it
+does in a synchronous job. Both parts add at a rendezvous. ``cv = cv_p = 0`` gives exactly the
+deterministic model.
 """
 
 from __future__ import annotations
@@ -45,7 +64,7 @@ def expected_max_excess(n: int) -> float:
 
 
 class _RankState:
-    __slots__ = ("work_s", "last_work_s", "total_sq", "since")
+    __slots__ = ("work_s", "last_work_s", "total_sq", "since", "waited_s")
 
     def __init__(self) -> None:
         self.work_s = 0.0  # device work done so far
@@ -53,27 +72,37 @@ class _RankState:
         self.total_sq = 0.0  # sum of squared stretches since the start
         self.since: dict[int, float] = {}  # group size -> sum of squared stretches since the last
         #                                    rendezvous in a group at least that large
+        self.waited_s = 0.0  # persistent lateness this rank has already waited for
 
 
 class Stragglers:
     """Tracks each rank's device work and prices the wait for the slowest participant."""
 
-    def __init__(self, cv: float, seed: int) -> None:
+    def __init__(self, cv: float, seed: int, persistent_cv: float = 0.0) -> None:
         self.cv = cv
+        self.persistent_cv = persistent_cv
+        self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.ranks: dict[int, _RankState] = {}
+        self._speed: dict[int, float] = {}  # rank -> its persistent draw (standard normal)
 
-    def worked(self, rank: int, seconds: float) -> None:
+    @property
+    def active(self) -> bool:
+        """Whether any rendezvous can start late."""
+        return self.cv > 0 or self.persistent_cv > 0
+
+    def _state(self, rank: int) -> _RankState:
         state = self.ranks.get(rank)
         if state is None:
             state = self.ranks[rank] = _RankState()
-        state.work_s += seconds
+        return state
+
+    def worked(self, rank: int, seconds: float) -> None:
+        self._state(rank).work_s += seconds
 
     def _since(self, rank: int, size: int) -> float:
         """W of ``rank`` at a rendezvous of ``size`` ranks (and the rendezvous recorded)."""
-        state = self.ranks.get(rank)
-        if state is None:
-            state = self.ranks[rank] = _RankState()
+        state = self._state(rank)
         stretch = state.work_s - state.last_work_s
         state.last_work_s = state.work_s
         square = stretch * stretch
@@ -89,12 +118,40 @@ class Stragglers:
         return w
 
     def delay_s(self, ranks: tuple[int, ...], group_size: int, sampled: bool) -> float:
-        """Extra wait of a rendezvous of ``ranks`` (simulated) in a group of ``group_size``."""
-        if self.cv <= 0 or group_size <= 1:
+        """Extra wait of a rendezvous of ``ranks`` (simulated) in a group of ``group_size``:
+        the slowest member's noise plus its persistent lateness not yet waited for."""
+        if group_size <= 1:
+            return 0.0
+        return self._noise_s(ranks, group_size, sampled) + self._persistent_s(ranks, group_size, sampled)
+
+    def _noise_s(self, ranks: tuple[int, ...], group_size: int, sampled: bool) -> float:
+        if self.cv <= 0:
             return 0.0
         work = [self._since(r, group_size) for r in ranks]
         if sampled:
             draws = self.rng.standard_normal(len(ranks))
             return self.cv * max(0.0, max(float(z) * w for z, w in zip(draws, work)))
         return self.cv * max(work) * expected_max_excess(group_size)
+
+    def _persistent_s(self, ranks: tuple[int, ...], group_size: int, sampled: bool) -> float:
+        if self.persistent_cv <= 0:
+            return 0.0
+        states = [self._state(r) for r in ranks]
+        if sampled:  # every member is one device: its own speed, drawn once for the run
+            behind = max(max(0.0, self.speed(r)) * s.work_s for r, s in zip(ranks, states))
+        else:
+            behind = expected_max_excess(group_size) * max(s.work_s for s in states)
+        behind *= self.persistent_cv
+        waited = max(s.waited_s for s in states)
+        for s in states:
+            s.waited_s = max(s.waited_s, behind)
+        return max(0.0, behind - waited)
+
+    def speed(self, rank: int) -> float:
+        """The persistent standard-normal draw of device ``rank`` (slower when positive): one
+        per device and seed, whatever order the ranks first meet in."""
+        z = self._speed.get(rank)
+        if z is None:
+            z = self._speed[rank] = float(np.random.default_rng((self.seed, rank)).standard_normal())
+        return z
 

@@ -131,7 +131,8 @@ class Engine:
         self._talking = dict.fromkeys(graph.weights, 0)  # collectives in flight per rank
         self._running: dict[int, list[_Running]] = {r: [] for r in graph.weights}
         self.num_finished = 0
-        self.stragglers = Stragglers(topology.spec.variability, topology.spec.variability_seed)
+        self.stragglers = Stragglers(topology.spec.variability, topology.spec.variability_seed,
+                                     topology.spec.variability_persistent)
         # variable-length sequences: the data-parallel ranks no lane simulates run other documents
         self.lengths = LengthWaits(graph, self.compute_model) if "sequence_lengths" in graph.meta else None
         # explicit stragglers (cluster.stragglers): the strategy simulated each straggler's class
@@ -214,7 +215,7 @@ class Engine:
                     yield self._start_slowable(op, device)
                 else:
                     yield call_after(env, self._duration_s(op, device))
-                if device and stragglers.cv > 0:  # device work: what a straggler falls behind on
+                if device and stragglers.active:  # device work: what a straggler falls behind on
                     stragglers.worked(op.ranks[0], env._now - start)
                 if op.batch >= 0 and lengths is not None:  # other ranks ran other documents
                     lengths.worked(op)
@@ -383,7 +384,7 @@ class Engine:
             plan = self.collective_model.on_slow_links(plan, link_factor)
         if op.count != 1:
             plan = plan.repeated(op.count)
-        if op.collective == "send_recv" or self.stragglers.cv <= 0:
+        if op.collective == "send_recv" or not self.stragglers.active:
             return plan, 0, False
         size = self.spans[op.group].num_ranks
         sampled = len(op.ranks) == size and all(self.graph.weights[r] == 1 for r in op.ranks)

@@ -411,20 +411,16 @@ class ShardedParams:
                   "optimizer": per_param["optimizer"] * self.total / o}
         if schedule.backward_gather_size and p > 1:  # hpZ keeps a secondary (intra-node) shard
             static["params"] += self.total * self.param_element_bytes / schedule.backward_gather_size
-        # Gather and gradient buffers: a fixed ring allocated once, or allocated per use, in
-        # which case PyTorch's caching allocator keeps a freed block in the pool of the stream
-        # that used it, so each allocating communication stream strands about one unit's
-        # buffer that the compute stream cannot reuse (FSDP2 documents this "inter-stream
-        # fragmentation"; the block count is our estimate [INF]). Stranded blocks are reserved,
-        # not allocated: the graph's cached memory, which only a caching allocator holds.
+        # Gather and gradient buffers: a fixed ring allocated once, or allocated per use. Per
+        # use, a gathered unit is allocated by its all-gather on the gather stream and freed by
+        # its compute: the caching allocator gives the block back to the gather stream's pool,
+        # which the compute stream cannot use (FSDP2's "inter-stream fragmentation"). The
+        # allocator replay models those pools from the stream each allocation is made on
+        # (sim/allocator.py); nothing is estimated here.
         gather_slots = (schedule.effective_prefetch_depth + 1) * largest * self.param_element_bytes if p > 1 else 0.0
         scatter_slots = schedule.reduce_buffers * largest * self.grad_element_bytes if g > 1 else 0.0
         if schedule.fixed_buffers:
             static["buffers"] = gather_slots + scatter_slots
-        else:
-            stranded = (largest * self.param_element_bytes if p > 1 else 0.0) + (largest * self.grad_element_bytes if g > 1 else 0.0)
-            for lane in emit.lanes:
-                emit.graph.add_cached(lane, stranded)
         self.dynamic_buffers = not schedule.fixed_buffers
         # gradient compression (_compression.py): the reduction it replaces, its held state
         self.compression = compression

@@ -18,15 +18,37 @@ the start). This module replays them through the allocator's policy as
   segment; segments are never returned to the device, except that a ``cudaMalloc`` that would
   not fit first releases the wholly free cached segments (``release_available_cached_blocks``
   / ``release_cached_blocks``) and tries again; only then is it an out-of-memory error.
-- ``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): one segment per
-  stream grows by mapping 2 MiB pages (20 MiB for large blocks is the granularity of the
-  *virtual* reservation only), so a request never needs a hole of its own size; reserved is
-  then the live bytes rounded to whole pages (``ExpandableSegment::map``).
+- Per-stream pools: every block belongs to the stream whose request created it.
+  ``BlockComparatorSize`` orders the cached blocks by stream first, and ``get_free_block``
+  searches only the requesting stream's blocks, so a block cached by one stream never serves
+  another; a segment belongs to the stream of the ``malloc`` that reserved it (``alloc_block``
+  stores ``p.stream()``), and ``free_block`` returns a freed block to its own stream's pool,
+  whichever stream frees it. The engine records each allocation with the stream of the op that
+  makes it, and each release with the stream that allocated the block
+  (``Trace.memory_events``); model states are allocated on the compute stream. This is what
+  FSDP2 calls inter-stream fragmentation: a gathered unit allocated by its all-gather's stream
+  and freed after the compute used it stays cached on the gather stream. Before an
+  out-of-memory error ``release_cached_blocks`` gives back the wholly free segments of every
+  stream.
+- ``expandable_segments`` (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``): each stream
+  has its own expandable segment (``get_free_block`` / ``try_allocate_expandable_segment`` look
+  for the segment of the requesting stream), which grows by mapping 2 MiB pages (20 MiB for
+  large blocks is the granularity of the *virtual* reservation only), so a request never needs
+  a hole of its own size. Here a stream's segment maps the pages its live blocks need at their
+  most (each block rounded to whole pages; ``ExpandableSegment::map``); freed pages stay
+  mapped for that stream until a mapping would exceed the capacity, when every stream's free
+  pages are unmapped (``release_expandable_segment`` from ``release_cached_blocks``).
+
+Checked against an H200 (``docs/memory.md``, PyTorch 2.11 memory snapshot of FSDP2 on
+Llama-3-8B's shape cut to 8 layers, fp32): the replay's gather-stream pool is 4.73 GiB, as
+measured (4.73 GiB on the all-gather copy-in stream).
 
 What the replay cannot see (``docs/memory.md``): the engine's events are a unit's tensors
-added up (a layer's saved activations are one block here, about fifteen tensors in PyTorch),
-and the caching allocator's per-stream pools are modelled where the strategies model them (a
-communication stream's stranded buffer, ``other``), not here.
+added up (a layer's saved activations are one block here, about fifteen tensors in PyTorch);
+the large and small pools are not kept apart; and a pool is only as right as the stream the
+strategy allocates on (FSDP2 copies each gathered unit out into per-parameter tensors on the
+compute stream, ``foreach_all_gather_copy_out``, which the strategies do not emit: the
+gathered unit is one block on the gather stream here).
 """
 
 from __future__ import annotations

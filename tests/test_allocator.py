@@ -204,6 +204,67 @@ def test_fsdp2_reserves_its_gather_streams_pool_beside_allocated():
     assert one_pool.peak_reserved_bytes < pools.peak_reserved_bytes
 
 
+def _zero3_trace(implementation: str):
+    """The report and the trace of ZeRO-3 on Llama-3-8B (dgx-h100) under ``implementation``."""
+    from hzpsim.run import resolve, simulate_choice
+    from hzpsim.scenario import scenario_from_mapping
+    from hzpsim.sim.engine import Trace
+
+    sc = scenario_from_mapping({
+        "model": {"preset": "llama3-8b", "seq_len": 4096}, "training": {"global_batch_size": 8, "micro_batch_size": 1},
+        "cluster": {"preset": "dgx-h100"}, "strategy": {"name": "zero", "stage": 3, "implementation": implementation}})
+    choice = sc.strategies[0]
+    traces: list[Trace] = []
+    report = simulate_choice(sc, resolve(sc, choice.name, choice.config), traces=traces)
+    return report, traces[0]
+
+
+def test_fsdp2_copies_each_gathered_unit_out_into_the_compute_streams_pool():
+    """FSDP2 gathers into a flat buffer on its all-gather stream (foreach_all_gather) and copies
+    it out into per-parameter tensors on the compute stream (wait_for_unshard ->
+    foreach_all_gather_copy_out), freeing the flat buffer: the unsharded parameters live in the
+    compute stream's pool until the reshard, the gather stream's pool holds only flat buffers,
+    and during the copy both are allocated. Each micro-batch's reduce-scatter output (the
+    sharded gradient, foreach_reduce) is allocated on the reduce-scatter stream."""
+    from hzpsim.report import resident_memory
+
+    _, trace = _zero3_trace("fsdp2")
+    events = trace.memory_events[0]
+    unsharded = [e for e in events if e[1] == "params"]
+    assert unsharded and {e[3] for e in unsharded} == {"compute"}  # allocated and released there
+    assert sum(e[2] for e in unsharded) == pytest.approx(0.0, abs=1.0)
+    flat = [e for e in events if e[3] == "ag"]
+    assert flat and {e[1] for e in flat} == {"buffers"}  # the gather stream: flat outputs only
+    assert sorted(e[2] for e in flat if e[2] > 0) == sorted(e[2] for e in unsharded if e[2] > 0)
+    # the copy-out allocates the parameters when it starts and frees the flat buffer when it
+    # ends: the flat buffer is released after (not before) its copy's allocation
+    copies = [op for op in trace.graph.ops if op.name.startswith("copy.") and 0 in op.ranks]
+    assert copies and all(op.alloc == (("params", op.free[0][1]),) and [c for c, _ in op.free] == ["buffers"]
+                          for op in copies)
+    first = next(e for e in events if e[1] == "params" and e[2] > 0)
+    released = next(e for e in events if e[3] == "ag" and e[2] < 0)
+    assert released[0] > first[0] and -released[2] == pytest.approx(first[2])
+    # the reduce-scatter's outputs: on its stream, as long as it runs
+    outputs = [e for e in events if e[1] == "grads"]
+    assert outputs and {e[3] for e in outputs} == {"rs"} and sum(e[2] for e in outputs) == pytest.approx(0.0, abs=1.0)
+    pools = replay(resident_memory(trace, 0), events).reserved_by_stream_bytes
+    assert pools["ag"] >= max(e[2] for e in flat) and pools["rs"] >= max(e[2] for e in outputs)
+
+
+def test_deepspeed_zero3_gathers_straight_into_the_parameters_on_the_gather_stream():
+    """DeepSpeed ZeRO-3 all-gathers into the parameters' own storage (_allgather_params_coalesced):
+    no copy-out, each gathered block on the gather stream until the compute that used it
+    ends; its reduce-scatter allocates nothing on its stream."""
+    _, trace = _zero3_trace("deepspeed")
+    events = trace.memory_events[0]
+    assert not [e for e in events if e[1] == "params"]
+    gathered = [e for e in events if e[3] == "ag"]
+    assert gathered and {e[1] for e in gathered} == {"buffers"}
+    assert sum(e[2] for e in gathered) == pytest.approx(0.0, abs=1.0)
+    assert not [e for e in events if e[3] == "rs"]
+    assert not any(op.alloc for op in trace.graph.ops if op.name.startswith("copy."))
+
+
 @pytest.mark.parametrize("setting, key", [
     ("cluster.device_memory_bytes=1e9", "device_memory_bytes"),
     ("cluster.min_memory_headroom_bytes=-1", "min_memory_headroom_bytes"),

@@ -72,7 +72,7 @@ def memory_frame(trace: Trace, rank: int | None = None) -> pd.DataFrame:
     lo, hi = step_window(trace)
     current = resident_memory(trace, rank)
     rows: list[dict[str, float]] = []
-    for time, category, delta in sorted(trace.memory_events[rank], key=lambda e: e[0]):
+    for time, category, delta, _ in sorted(trace.memory_events[rank], key=lambda e: e[0]):
         if time > hi:
             break
         current[category] += delta
@@ -91,7 +91,7 @@ def _state_at(trace: Trace, rank: int, when: float) -> dict[str, float]:
     from hzpsim.report import resident_memory
 
     current = resident_memory(trace, rank)
-    for time, category, delta in trace.memory_events[rank]:
+    for time, category, delta, _ in trace.memory_events[rank]:
         if time <= when:
             current[category] += delta
     return current

@@ -140,7 +140,7 @@ def memory_peak(trace: Trace, rank: int) -> tuple[float, dict[str, float]]:
     current = resident_memory(trace, rank)
     peak, at_peak = sum(current.values()), dict(current)
     previous = None
-    for now, category, size in trace.memory_events[rank]:
+    for now, category, size, _ in trace.memory_events[rank]:
         if now != previous and previous is not None:  # the previous instant's events are all in
             total = sum(current.values())
             if total > peak:
@@ -163,8 +163,6 @@ def device_memory(trace: Trace) -> dict[str, Any]:
     for r in graph.weights:
         allocated, breakdown = memory_peak(trace, r)
         static = resident_memory(trace, r)
-        if graph.cached_memory[r]:  # stranded in communication streams' pools: reserved only
-            static["cached"] = graph.cached_memory[r]
         overhead = device.context_bytes + device.communicator_bytes * communicators(groups, r)
         room = device.memory_bytes - overhead
         events = trace.memory_events[r]

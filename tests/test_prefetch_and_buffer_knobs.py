@@ -152,7 +152,7 @@ def test_per_use_gather_buffers_peak_at_D_plus_1_layers_in_the_forward(depth):
     first_backward = next(op for op in on_rank0(graph) if op.category == "backward")
     until = trace.start_s[first_backward.id]  # where the first gradient buffer is taken
     deltas: dict[float, float] = {}
-    for time, category, delta in trace.memory_events[0]:
+    for time, category, delta, _ in trace.memory_events[0]:
         if category == "buffers" and time < until:
             deltas[time] = deltas.get(time, 0.0) + delta
     live, peak = 0.0, 0.0
@@ -184,16 +184,25 @@ def test_fixed_ring_is_D_plus_1_gather_buffers_and_R_scatter_buffers_of_the_larg
     assert report["memory_breakdown_bytes"]["buffers"] == pytest.approx(expected, rel=1e-12)
 
 
-def test_sync_asynchzp_strands_one_unit_per_communication_stream():
-    """``async: false`` allocates per use instead; the caching allocator strands about one
-    largest-unit buffer per allocating stream (gather: L x 2 B, scatter: L x 4 B), and no ring
-    is pre-allocated."""
+def test_sync_asynchzp_allocates_each_buffer_on_the_stream_that_fills_it():
+    """``async: false`` allocates per use instead of a pre-allocated ring: each gather buffer
+    (a layer: L x 2 B) when its all-gather starts, on that op's communication stream, and its release
+    by the compute that used it names that stream, whose caching-allocator pool the block goes
+    back to (sim/allocator.py); the gradient buffer (L x 4 B) is the backward's, on the compute
+    stream."""
     sc = scenario({"name": "asynchzp", "async": False, "prefetch_depth": 3, "reduce_buffers": 3},
                   micro_batch=1, micro_batches=1)
-    graph = build(sc)
-    # stranded blocks are reserved, not allocated: the graph's cached memory, not a category
-    assert graph.cached_memory[0] == pytest.approx(LAYER * BW + LAYER * BG, rel=1e-12)
+    graph, trace = traced(sc)
     assert "buffers" not in graph.static_memory[0] and "other" not in graph.static_memory[0]
+    gathers = {op.stream for op in on_rank0(graph) if op.category == "param_gather" and op.alloc}
+    assert len(gathers) == 1 and "compute" not in gathers
+    (comm,) = gathers
+    events = [e for e in trace.memory_events[0] if e[1] == "buffers"]
+    taken = {stream: sorted(e[2] for e in events if e[3] == stream and e[2] > 0) for stream in (comm, "compute")}
+    given = {stream: sorted(-e[2] for e in events if e[3] == stream and e[2] < 0) for stream in (comm, "compute")}
+    assert taken == given  # every block back to the pool of the stream that allocated it
+    assert max(taken[comm]) == pytest.approx(LAYER * BW, rel=1e-12)  # the largest unit: a layer
+    assert max(taken["compute"]) == pytest.approx(LAYER * BG, rel=1e-12)
 
 
 # ---------------------------------------------------------------------------- scatter slots

@@ -45,6 +45,7 @@ loss's fp32 logits and their gradients, a pass's intermediates that are not save
 backward), allocated when the op starts and freed when it ends."""
 STEP_END_CATEGORY = "optimizer"  # the op category that closes an optimizer step (see above)
 HOST_STREAM = "host"  # the stream of host-thread work (launches, list-form views, synchronisations)
+COMPUTE_STREAM = "compute"  # a lane's default stream: its device compute, and the model states' allocations
 
 MemoryDelta = tuple[tuple[str, float], ...]  # an Op's alloc / free: (category, bytes) pairs
 FlopsByClass = tuple[tuple[str, float], ...]  # an Op's flops: (efficiency class, FLOPs) pairs
@@ -205,10 +206,6 @@ class OpGraph:
         # group of millions of ranks then costs nothing), else a tuple
         self.groups: dict[str, Ranks] = {}
         self.static_memory: dict[int, dict[str, float]] = {r: {} for r in self.weights}
-        # bytes a caching allocator keeps reserved for the whole run but never hands out to
-        # the rank's tensors (a communication stream's freed buffers, which other streams cannot
-        # reuse): in reserved memory, not allocated
-        self.cached_memory: dict[int, float] = {r: 0.0 for r in self.weights}
 
     @property
     def ranks(self) -> list[int]:
@@ -227,10 +224,6 @@ class OpGraph:
         for category, size in memory_delta(memory):
             self.static_memory[rank][category] = self.static_memory[rank].get(category, 0.0) + size
 
-    def add_cached(self, rank: int, size: float) -> None:
-        """Bytes the caching allocator keeps reserved on ``rank`` beyond its live tensors."""
-        self.cached_memory[rank] += size
-
     def compute(
         self,
         rank: int,
@@ -239,7 +232,7 @@ class OpGraph:
         flops: Mapping[str, float] | FlopsByClass,
         deps: Iterable[int | None] = (),
         bytes_accessed: float = 0.0,
-        stream: str = "compute",
+        stream: str = COMPUTE_STREAM,
         alloc: Mapping[str, float] | MemoryDelta | None = None,
         free: Mapping[str, float] | MemoryDelta | None = None,
         step: int = 0,
@@ -353,7 +346,6 @@ class OpGraph:
                 "groups": {k: {"range": [v.start, v.stop, v.step]} if isinstance(v, range) else list(v)
                            for k, v in self.groups.items()},
                 "static_memory": {str(k): v for k, v in self.static_memory.items()},
-                "cached_memory": {str(k): v for k, v in self.cached_memory.items()},
                 "ops": [op.to_dict() for op in self.ops],
             },
             sort_keys=True,
@@ -370,7 +362,6 @@ class OpGraph:
         )
         graph.groups = {k: range(*v["range"]) if isinstance(v, dict) else tuple(v) for k, v in data["groups"].items()}
         graph.static_memory = {int(k): v for k, v in data["static_memory"].items()}
-        graph.cached_memory = {int(k): float(v) for k, v in data.get("cached_memory", {}).items()} or graph.cached_memory
         for raw in data["ops"]:
             raw = dict(raw)
             for key in ("ranks", "deps"):

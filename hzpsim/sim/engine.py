@@ -76,7 +76,12 @@ class Trace:
     start_s: list[float]
     end_s: list[float]
     plans: dict[int, CollectivePlan]
-    memory_events: dict[int, list[tuple[float, str, float]]]  # rank -> (time, category, delta)
+    memory_events: dict[int, list[tuple[float, str, float, str]]]
+    """Per simulated rank, (time, category, +bytes allocated / -bytes freed, stream): an op's
+    ``alloc`` when it starts, on the op's stream; its ``free`` when it ends, naming the stream
+    that allocated the block it releases (whose caching-allocator pool the block goes back to,
+    ``sim/allocator.py``), which is not the freeing op's stream when one stream frees what
+    another allocated (a gathered unit, allocated by its all-gather, freed by its compute)."""
     num_events: int
     sim_wall_s: float
     spans: dict[str, GroupSpan] = field(default_factory=dict)
@@ -103,7 +108,10 @@ class Engine:
         self._arrived = [0] * n
         self.plans: dict[int, CollectivePlan] = {}
         self.spans = {name: topology.span(ranks) for name, ranks in graph.groups.items()}
-        self.memory_events: dict[int, list[tuple[float, str, float]]] = {r: [] for r in graph.weights}
+        self.memory_events: dict[int, list[tuple[float, str, float, str]]] = {r: [] for r in graph.weights}
+        # rank -> category -> its live blocks (bytes, allocating stream, allocating op id), in
+        # allocation order: which stream's block a release gives back (see _owner_stream)
+        self._live_blocks: dict[int, dict[str, list[tuple[float, str, int]]]] = {r: {} for r in graph.weights}
         self._capacity_cache: dict[str, float] = {}
         # Compute slows down while the same rank communicates (collective kernels take SMs and
         # memory bandwidth): running compute ops progress at 1 / (1 + slowdown) then.
@@ -170,8 +178,13 @@ class Engine:
         now = self.env._now
         for rank in op.ranks:
             events = self.memory_events[rank]
+            live = self._live_blocks[rank]
             for category, size in delta:
-                events.append((now, category, sign * size))
+                if sign > 0:
+                    events.append((now, category, size, op.stream))
+                    live.setdefault(category, []).append((size, op.stream, op.id))
+                else:
+                    events.append((now, category, -size, _owner_stream(live.setdefault(category, []), size, op)))
 
     def _finish(self, op: Op) -> None:
         self.end_s[op.id] = self.env._now
@@ -512,6 +525,33 @@ class Engine:
             self.spans,
             self.lengths.waits if self.lengths is not None else {},
         )
+
+
+def _owner_stream(blocks: list[tuple[float, str, int]], size: float, op: Op) -> str:
+    """The stream that allocated the block ``op`` releases (``size`` bytes of one category),
+    taken off ``blocks`` (that category's live blocks, in allocation order). Ops free by
+    (category, bytes), not by block, so: a block of that size allocated by one of the op's
+    dependencies (a gathered unit by the all-gather its compute waits for, a gradient by the
+    backward its reduce-scatter waits for), else the latest of that size, else the latest
+    blocks until the bytes are covered (a block partly released keeps the rest); the
+    allocator replay matches its blocks the same way within the stream named here."""
+    latest = -1
+    for k in range(len(blocks) - 1, -1, -1):
+        held, _, origin = blocks[k]
+        if abs(held - size) <= max(1.0, 1e-9 * size):
+            if origin in op.deps:
+                return blocks.pop(k)[1]
+            if latest < 0:
+                latest = k
+    if latest >= 0:
+        return blocks.pop(latest)[1]
+    stream = blocks[-1][1] if blocks else op.stream
+    while size > 1.0 and blocks:
+        held, on, origin = blocks.pop()
+        if held > size + 1.0:
+            blocks.append((held - size, on, origin))
+        size -= held
+    return stream
 
 
 def simulate(graph: OpGraph, topology: Topology, efficiency: Efficiency | None = None) -> Trace:

@@ -90,6 +90,28 @@ class Implementation:
     (Megatron 2021's ``_communicate``): the host launches nothing more until it completed."""
     copy_bytes_per_gathered_byte: float = 0.0
     """Device copies around a gather (FSDP2 copy-in of the shard and copy-out of the unit)."""
+    gather_copy_out: bool = False
+    """Where a gathered unit lives (with per-use gather buffers). True (FSDP2): the all-gather
+    writes one flat output, allocated on the all-gather stream
+    (``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather``); the
+    compute stream then copies it out into the per-parameter unsharded tensors
+    (``_fsdp_param_group.py::FSDPParamGroup.wait_for_unshard`` ->
+    ``_fsdp_collectives.py::foreach_all_gather_copy_out``, whose storage
+    ``_fsdp_param.py::FSDPParam.init_all_gather_outputs`` / ``alloc_storage`` allocates on the
+    current stream) and the flat output is freed. So the unsharded parameters (category
+    ``params``) sit in the compute stream's pool until the reshard, and the flat buffer in the
+    gather stream's pool only from the gather to the copy-out, both alive during the copy.
+    False (DeepSpeed ZeRO-3, FSDP1, ...): the all-gather writes straight into the parameters'
+    storage (``partition_parameters.py::_allgather_params_coalesced``; FSDP1's FlatParameter),
+    one block on the gather stream until the compute that used it ends."""
+    reduce_output_on_reduce_stream: bool = False
+    """Each per-micro-batch gradient reduce-scatter allocates its output (the sharded gradient
+    of the micro-batch, ``grad_element_bytes`` per sharded parameter) on the reduce-scatter
+    stream and frees it once it is accumulated (FSDP2 ``_fsdp_collectives.py::foreach_reduce``:
+    ``reduce_output`` allocated under the reduce-scatter stream, its input on the compute
+    stream). Modelled as a transient held while the reduce-scatter runs: the first micro-batch's
+    output, which FSDP2 keeps as ``.grad`` until ``zero_grad``, is not moved off the resident
+    gradients (kept on the compute stream here)."""
     max_prefetch_depth: int = 8
     """Gathers the framework keeps in flight ahead of use, at most (caps ``prefetch_depth``)."""
     grad_reduce_overlap: bool | None = None
@@ -456,7 +478,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "fsdp2": Implementation(
         name="fsdp2", optimizer_temp_bytes_per_param=4.0, copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False, gather_after_loss=True,
-        framework_host="fsdp2", blocking_calls=True,
+        framework_host="fsdp2", blocking_calls=True, gather_copy_out=True, reduce_output_on_reduce_stream=True,
         source=f"{_PT}:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather, "
                "foreach_all_gather_copy_out (split_with_sizes_copy of the whole unit), foreach_reduce; "
                "_fsdp_state.py::FSDPState._pre_forward (no unshard during the recompute)",
@@ -508,7 +530,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "torchtitan": Implementation(
         name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
         gather_after_loss=True, sp_saves_gathered_inputs=True, pp_keeps_unsharded=True, tp_loss="loss-parallel",
-        blocking_calls=True,  # FSDP2's calls (see fsdp2)
+        blocking_calls=True, gather_copy_out=True, reduce_output_on_reduce_stream=True,  # FSDP2's (see fsdp2)
         moe_permute_fusion=False,  # torchtitan/models/moe/moe.py: torch.gather in, zeros_like + scatter_add out
         source="pytorch/torchtitan@v0.2.2:torchtitan/models/llama3/infra/parallelize.py::apply_fsdp, "
                "apply_tp (FSDP2 per block + DTensor TP/SP), infra/pipeline.py (torch.distributed.pipelining "

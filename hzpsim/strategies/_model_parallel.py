@@ -33,7 +33,7 @@ Communication per layer and micro-batch (docs/strategies.md §2.7, §2.8):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -619,6 +619,15 @@ class UnitEmitter:
             last = emit.compute(f"bwd.remote.{label}", "backward", unit.backward_remote, [main, ring], step, free=free)
         return self._tp(unit, False, f"bwd.{label}", [last], step, overlap_from=start) or last
 
+def _summed(*parts: Mapping[str, float]) -> dict[str, float]:
+    """Bytes by category, added up over ``parts``."""
+    out: dict[str, float] = {}
+    for part in parts:
+        for category, size in part.items():
+            out[category] = out.get(category, 0.0) + size
+    return out
+
+
 class _PassMemory(NamedTuple):
     """What a unit's forward and backward take and return (as Op alloc / free), the same every
     micro-batch: its activations, and the gather and gradient buffers of its sharded parameters."""
@@ -629,10 +638,11 @@ class _PassMemory(NamedTuple):
     backward_free: MemoryDelta
 
 
-def _pass_memory(unit: MPUnit, forward_buffers_freed: float = 0.0, backward_buffers_taken: float = 0.0,
-                 backward_buffers_freed: float = 0.0) -> _PassMemory:
-    """``unit``'s activations, plus the buffer bytes (gathered parameters, full gradients) that
-    its sharded parameters free after the forward, take for the backward and free after it."""
+def _pass_memory(unit: MPUnit, forward_freed: Mapping[str, float] | None = None, backward_buffers_taken: float = 0.0,
+                 backward_freed: Mapping[str, float] | None = None) -> _PassMemory:
+    """``unit``'s activations, plus what its sharded parameters free after the forward (the
+    gathered parameters, by category), take for the backward (full gradient buffers) and free
+    after it."""
     forward_temps = tuple(("temporaries", b) for b in unit.forward_temps if b)
     # the loss's backward, an op of its own (UnitEmitter.backward), frees its temporaries and
     # what the loss kept
@@ -643,10 +653,10 @@ def _pass_memory(unit: MPUnit, forward_buffers_freed: float = 0.0, backward_buff
         handed += tuple(("temporaries", b) for b in unit.backward_temps if b)
     return _PassMemory(
         memory_delta({"activations": unit.activation_bytes}) + forward_temps,
-        forward_temps + memory_delta({"buffers": forward_buffers_freed}),
+        forward_temps + memory_delta(dict(forward_freed or {})),
         memory_delta({"activations": unit.recompute_bytes, "buffers": backward_buffers_taken}) + handed,
         memory_delta({"activations": unit.activation_bytes + unit.recompute_bytes - loss_saved,
-                      "buffers": backward_buffers_freed}) + handed,
+                      **_summed(backward_freed or {}, {})}) + handed,
     )
 
 
@@ -691,20 +701,25 @@ class UnitPass:
         if extra:  # held whole through the step, sharded again at its end: a buffer, not a model state
             for lane in emit.lanes:
                 emit.graph.add_static(lane, {"buffers": extra})
-        self.memory = [_pass_memory(u, sum(s.forward_free(i) for s in self.sharded),
+        self.memory = [_pass_memory(u, _summed(*(s.forward_free(i) for s in self.sharded)),
                                     sum(s.backward_alloc(i) for s in self.sharded),
-                                    sum(s.backward_free(i) for s in self.sharded))
+                                    _summed(*(s.backward_free(i) for s in self.sharded)))
                        for i, u in enumerate(units)]
 
     def _copies(self, unit: MPUnit, index: int, phase: str, step: int, mb: int,
                 deps: list[Ids | None]) -> list[Ids | None]:
         """The implementation's device copies around the gathers (FSDP2 copy-out), as one
-        memory-bound op before the unit's compute."""
+        memory-bound op before the unit's compute. With a copy-out into per-parameter tensors
+        (``Implementation.gather_copy_out``) it allocates the unsharded parameters (compute
+        stream) and frees each all-gather's flat output (its gather stream) as it ends."""
         copied = sum(s.copy_bytes(index, phase, mb) for s in self.sharded)
-        if not copied:
+        flat = tuple(("buffers", b) for s in self.sharded if (b := s.copy_out_bytes(index, phase, mb)))
+        if not copied and not flat:
             return deps
+        unsharded = (("params", sum(b for _, b in flat)),) if flat else None
         return [self.unit_emit.emit.compute(f"copy.{phase}.{unit.name}", "forward" if phase == "fwd" else "backward",
-                                            Work(bytes_accessed=copied), deps, step, kernels=1)]
+                                            Work(bytes_accessed=copied), deps, step, alloc=unsharded,
+                                            free=flat or None, kernels=1)]
 
     def forward(self, unit: MPUnit, index: int, step: int, mb: int, incoming: Ids | None) -> Ids:
         """Forward of ``unit`` (the ``index``-th of the schedule's units) after ``incoming``."""

@@ -266,10 +266,11 @@ class Emitter:
 
     def collective(self, kind: str, instances: list[tuple[str, tuple[int, ...]]], size: float, name: str,
                    category: str, stream: str, deps: Sequence[Ids | None], step: int,
-                   alloc: float = 0.0, free: float = 0.0, count: int = 1, sync: Sequence[Ids | None] = (),
-                   launch: bool = True) -> Ids:
+                   alloc: float | MemoryDelta = 0.0, free: float | MemoryDelta = 0.0, count: int = 1,
+                   sync: Sequence[Ids | None] = (), launch: bool = True) -> Ids:
         """``count`` calls of ``size`` bytes each, back to back, launched by one host op
-        (``launch=False``: the caller charged the call to the host op of the compute it follows)."""
+        (``launch=False``: the caller charged the call to the host op of the compute it follows).
+        ``alloc`` / ``free``: bytes of ``buffers``, or (category, bytes) pairs."""
         if instances and launch:
             group_size = len(self.graph.groups[instances[0][0]])
             seconds = self.implementation.call_host_s(count, group_size)
@@ -286,8 +287,8 @@ class Emitter:
                 deps = [*deps, host]
         ids: Ids = {}
         sources = [d for d in deps if d]
-        taken = memory_delta({"buffers": alloc}) if alloc else ()
-        released = memory_delta({"buffers": free}) if free else ()
+        taken = alloc if isinstance(alloc, tuple) else memory_delta({"buffers": alloc}) if alloc else ()
+        released = free if isinstance(free, tuple) else memory_delta({"buffers": free}) if free else ()
         for group, participants in instances:
             dep_ids = [d[lane] for d in sources for lane in participants if lane in d]
             op = self.graph.collective(kind, group, participants, size, name, category, stream, dep_ids,
@@ -411,21 +412,25 @@ class ShardedParams:
                   "optimizer": per_param["optimizer"] * self.total / o}
         if schedule.backward_gather_size and p > 1:  # hpZ keeps a secondary (intra-node) shard
             static["params"] += self.total * self.param_element_bytes / schedule.backward_gather_size
-        # Gather and gradient buffers: a fixed ring allocated once, or allocated per use, in
-        # which case PyTorch's caching allocator keeps a freed block in the pool of the stream
-        # that used it, so each allocating communication stream strands about one unit's
-        # buffer that the compute stream cannot reuse (FSDP2 documents this "inter-stream
-        # fragmentation"; the block count is our estimate [INF]). Stranded blocks are reserved,
-        # not allocated: the graph's cached memory, which only a caching allocator holds.
+        # Gather and gradient buffers: a fixed ring allocated once, or allocated per use. Per
+        # use, a gathered unit is allocated by its all-gather on the gather stream and freed by
+        # its compute: the caching allocator gives the block back to the gather stream's pool,
+        # which the compute stream cannot use (FSDP2's "inter-stream fragmentation"). The
+        # allocator replay models those pools from the stream each allocation is made on
+        # (sim/allocator.py); nothing is estimated here.
         gather_slots = (schedule.effective_prefetch_depth + 1) * largest * self.param_element_bytes if p > 1 else 0.0
         scatter_slots = schedule.reduce_buffers * largest * self.grad_element_bytes if g > 1 else 0.0
         if schedule.fixed_buffers:
             static["buffers"] = gather_slots + scatter_slots
-        else:
-            stranded = (largest * self.param_element_bytes if p > 1 else 0.0) + (largest * self.grad_element_bytes if g > 1 else 0.0)
-            for lane in emit.lanes:
-                emit.graph.add_cached(lane, stranded)
         self.dynamic_buffers = not schedule.fixed_buffers
+        # FSDP2 (Implementation.gather_copy_out): the all-gather's flat output lives on the gather
+        # stream until the copy-out before the unit's compute, which allocates the unsharded
+        # parameters on the compute stream; those are what the reshard frees
+        self.copy_out = impl.gather_copy_out and p > 1 and self.dynamic_buffers
+        self.unsharded_category = "params" if self.copy_out else "buffers"
+        # FSDP2 (Implementation.reduce_output_on_reduce_stream): each micro-batch's reduce-scatter
+        # output, on the reduce-scatter stream while it runs
+        self.reduce_output = impl.reduce_output_on_reduce_stream and g > 1 and self.dynamic_buffers
         # gradient compression (_compression.py): the reduction it replaces, its held state
         self.compression = compression
         self.compressed_role = ("grad" if g > 1 else "step_rs" if o > g else "replica" if self.replicas > 1 else "")
@@ -524,6 +529,14 @@ class ShardedParams:
             return 0.0
         return 2.0 * factor * self.params[u] * self.param_element_bytes
 
+    def copy_out_bytes(self, u: int, phase: str, mb: int) -> float:
+        """Bytes of unit ``u``'s unsharded parameters that the copy-out before its ``phase`` of
+        micro-batch ``mb`` allocates on the compute stream, freeing the all-gather's flat output
+        of the same size (:attr:`Implementation.gather_copy_out`); 0 when there is none."""
+        if not self.copy_out or not self.params[u] or not self._gathers((0, mb, phase, u)):
+            return 0.0
+        return self.params[u] * self.param_element_bytes
+
     def _gather_for(self, use: Use) -> Ids | None:
         step, mb, phase, u = use
         if self.p == 1 or self.params[u] == 0:
@@ -538,11 +551,12 @@ class ShardedParams:
     def forward_deps(self, step: int, mb: int, u: int) -> list[Ids | None]:
         return [self._gather_for((step, mb, "fwd", u))]
 
-    def forward_free(self, u: int) -> float:
-        """Gather-buffer bytes the forward of ``u`` frees when it ends."""
+    def forward_free(self, u: int) -> dict[str, float]:
+        """Gathered bytes the forward of ``u`` frees when it ends, by category (the gather
+        buffer, or with a copy-out the unsharded parameters)."""
         if self.dynamic_buffers and self.p > 1 and self.params[u] and self.schedule.reshard_after_forward:
-            return self.params[u] * self.param_element_bytes
-        return 0.0
+            return {self.unsharded_category: self.params[u] * self.param_element_bytes}
+        return {}
 
     def forward_done(self, step: int, mb: int, u: int, ids: Ids) -> None:
         if self.p > 1 and self.params[u]:
@@ -581,12 +595,15 @@ class ShardedParams:
         of ``u`` takes and its step-end reduce-scatter frees (0 otherwise)."""
         return self.params[u] * self.grad_element_bytes if self.accumulate and self.g > 1 else 0.0
 
-    def backward_free(self, u: int) -> float:
-        """Gather-buffer bytes the backward of ``u`` frees when it ends (accumulating: the
-        micro-batch's gradient; the gathered parameters stay until the step-end reduction)."""
+    def backward_free(self, u: int) -> dict[str, float]:
+        """Bytes the backward of ``u`` frees when it ends, by category: the gathered unit (the
+        gather buffer, or with a copy-out the unsharded parameters); accumulating, the
+        micro-batch's gradient (the gathered parameters stay until the step-end reduction)."""
         if self.accumulate:
-            return self.backward_alloc(u)
-        return self.params[u] * self.param_element_bytes if self.p > 1 and self.dynamic_buffers else 0.0
+            return {"buffers": self.backward_alloc(u)}
+        if self.p > 1 and self.dynamic_buffers and self.params[u]:
+            return {self.unsharded_category: self.params[u] * self.param_element_bytes}
+        return {}
 
     def backward_done(self, step: int, mb: int, u: int, ids: Ids, last_mb: bool) -> None:
         if self.p > 1 and self.params[u] and self.schedule.reshard_after_forward:
@@ -608,10 +625,15 @@ class ShardedParams:
         elif self.g > 1 and self.params[u]:
             calls = self.reduce_calls[u]
             sync = self.scatters[-1:] if self.schedule.implementation.sync_after_reduce else []
+            taken: float | MemoryDelta = 0.0
+            freed: float | MemoryDelta = self.backward_alloc(u)
+            if self.reduce_output:  # its output, on the reduce-scatter stream while it runs
+                output = ("grads", self.params[u] / self.g * self.reduce_element_bytes)
+                taken, freed = (output,), (*memory_delta({"buffers": self.backward_alloc(u)}), output)
             done = self.emit.collective(
                 "reduce_scatter", self.instances["grad"], self.params[u] * self.reduce_element_bytes / calls,
                 f"rs.{self.names[u]}.mb{mb}", "grad_reduce", self.schedule.stream("rs"), [ids], step,
-                free=self.backward_alloc(u), count=calls, sync=sync,
+                alloc=taken, free=freed, count=calls, sync=sync,
             )
             self.scatters.append(done)
         if last_mb:
@@ -629,11 +651,14 @@ class ShardedParams:
         # gathered parameters
         for u in sorted(self.pending, reverse=True):
             gathered = self.params[u] * self.param_element_bytes if self.p > 1 and self.dynamic_buffers else 0.0
+            freed: float | MemoryDelta = self.accumulator_bytes(u) + gathered
+            if self.copy_out:  # the unsharded parameters the copy-out allocated
+                freed = memory_delta({"buffers": self.accumulator_bytes(u)}) + memory_delta({"params": gathered})
             calls = self.reduce_calls[u]
             self.final_grads[u] = self.emit.collective(
                 "reduce_scatter", self.instances["grad"], self.params[u] * self.reduce_element_bytes / calls,
                 f"rs.{self.names[u]}", "grad_reduce", self.schedule.stream("rs"), [self.pending[u], end_of_backward],
-                step, free=self.accumulator_bytes(u) + gathered, count=calls,
+                step, free=freed, count=calls,
             ) if self.g > 1 else self.pending[u]
         self.pending = {}
         if self.schedule.implementation.whole_buffer_step_reduce and self.o == self.g and self.replicas > 1:

@@ -49,9 +49,10 @@ from hzpsim.model.training import Training
 from hzpsim.strategies import _family, _implementations, compose_label
 from hzpsim.strategies._dims import NO_MODEL_PARALLELISM
 from hzpsim.strategies._layers import Work
+from hzpsim.strategies._lengths import attach_lengths
 from hzpsim.strategies._model_parallel import UnitPass, mp_units
 from hzpsim.strategies._nd_layout import sharding_sizes
-from hzpsim.strategies._sharded import Emitter, Ids, Schedule, attach_lengths, flat_uses
+from hzpsim.strategies._sharded import Emitter, Ids, Schedule, flat_uses
 
 #: fairscale-CO2's ``outer_momentum_num_shards`` default (capped at the world size there too)
 OUTER_MOMENTUM_SHARDS = 32

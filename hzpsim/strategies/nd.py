@@ -31,6 +31,7 @@ from hzpsim.strategies import (
     compose_label,
     training_as_simulated,
 )
+from hzpsim.strategies._lengths import attach_lengths
 from hzpsim.strategies._model_parallel import MPUnit, UnitPass, merge_units, mp_units
 from hzpsim.strategies._nd_layout import (  # noqa: F401 (the plugin's layout, re-exported)
     Layout,
@@ -41,7 +42,7 @@ from hzpsim.strategies._nd_layout import (  # noqa: F401 (the plugin's layout, r
     sharding_sizes,
     stage_layers,
 )
-from hzpsim.strategies._sharded import Emitter, Ids, Schedule, Use, attach_lengths, grad_norm
+from hzpsim.strategies._sharded import Emitter, Ids, Schedule, Use, grad_norm
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,34 @@ def gemm_rows(probe: dict[str, Any], device: Device) -> list[dict[str, Any]]:
     return out
 
 
+def fit_tile_overhead_k(probes: list[tuple[dict[str, Any], Device]]) -> dict[str, Any]:
+    """The tile overhead (``compute.GEMM_TILE_OVERHEAD_K``) that makes the bf16 GEMM sweeps'
+    predicted / measured times most alike, whatever their common scale (which the fitted
+    ``gemm_sm_efficiency`` sets): the least spread of log(predicted / measured) over every
+    shape of every probe, on a grid of 0-1,024 in steps of 32; and, for the K <= 1,536 shapes
+    alone, the overhead each solves for against the K >= 4,096 shapes' median."""
+    points = [(r["gemm_mnk"], r["seconds"], device) for probe, device in probes for r in probe["gemm"]]
+
+    def logs(k0: float) -> list[float]:
+        models: dict[str, ComputeModel] = {}
+        out = []
+        for (m, n, k), seconds, device in points:
+            model = models.get(device.name)
+            if model is None:
+                model = models[device.name] = ComputeModel(device, "bf16", efficiency_for(device), tile_overhead_k=k0)
+            out.append(math.log(model.gemm_s(m, n, k) / seconds))
+        return out
+
+    grid = {k0: statistics.pstdev(logs(k0)) for k0 in range(0, 1025, 32)}
+    best = min(grid, key=lambda k0: (grid[k0], k0))
+    base = logs(0.0)
+    deep = statistics.median(math.exp(v) for v, ((_, _, k), _, _) in zip(base, points) if k >= 4096)
+    # ratio(K) = deep · K / (K + k0) at the shallow shapes, solved for k0
+    solved = sorted((k, round(k * (deep / math.exp(v) - 1))) for v, ((_, _, k), _, _) in zip(base, points) if k <= 1536)
+    return {"best_k": best, "spread_at_best": grid[best], "spread_at_0": grid[0], "shallow_solved": solved,
+            "deep_ratio_at_0": deep, "shapes": len(points)}
+
+
 def attention_rows(probe: dict[str, Any], device: Device) -> list[dict[str, Any]]:
     fitted, prior = _model(device), _model(device, prior_attention=True)
     out = []
@@ -220,7 +248,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra", help="a second probe file (sections unpermute, executor_llama)")
     parser.add_argument("--h200", action="store_true", help="the committed H200 files of 2026-11-27")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--fit-k-overhead", action="store_true",
+                        help="fit the GEMM tile overhead to the committed H100 and H200 sweeps and print it")
     args = parser.parse_args(argv)
+    if args.fit_k_overhead:
+        probes = []
+        for path in (RESULTS / "h100-probe-2026-11-26.json", H200["probe"]):
+            data = json.loads(Path(path).read_text())  # type: ignore[arg-type]
+            probes.append((data, load_device(device_file(device_of(data)[0]))))
+        print(json.dumps(fit_tile_overhead_k(probes), indent=1))
+        return 0
     probe, memtracks, extra = _sections(args)
     name, preset = device_of(probe)
     device = load_device(device_file(name))

@@ -57,3 +57,19 @@ def test_h100_comparison_is_unchanged_in_kind():
     tables = compare()
     assert tables["device"] == "h100-sxm" and len(tables["gemm"]) == 150
     assert tables["gemm_fp8"] == [] and tables["executor"] == []
+
+
+def test_the_hopper_tile_overhead_is_what_the_committed_sweeps_fit():
+    """compute.GEMM_TILE_OVERHEAD_K_HOPPER (and the Hopper device files' value) is the fit of
+    the committed H100 and H200 GEMM sweeps, and it narrows their predicted / measured spread."""
+    from hzpsim.hardware.compute import GEMM_TILE_OVERHEAD_K_HOPPER
+    from hzpsim.hardware.devices import get_device
+
+    done = subprocess.run([sys.executable, str(BENCH / "compare_gpu_probe.py"), "--fit-k-overhead"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fit = json.loads(done.stdout)
+    assert fit["best_k"] == GEMM_TILE_OVERHEAD_K_HOPPER
+    assert fit["spread_at_best"] < 0.8 * fit["spread_at_0"]
+    for name in ("h100-sxm", "h200", "h20"):
+        assert get_device(name).efficiency.gemm_tile_overhead_k == GEMM_TILE_OVERHEAD_K_HOPPER

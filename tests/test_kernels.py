@@ -138,6 +138,20 @@ def test_wave_quantisation_one_tile_too_many_costs_a_wave() -> None:
     assert over > 1.15 * full
 
 
+def test_short_k_gemms_pay_the_tile_prologue_and_epilogue() -> None:
+    """On Hopper a tile's fixed cost is worth 384 of K (measured, compute.py): a K = 512 GEMM
+    takes (512 + 384) / 512 of its main loop, a K = 8,192 one (8,192 + 384) / 8,192; a device
+    file without the measurement (A100) charges none."""
+    h100 = ComputeModel(get_device("h100-sxm"), "bf16")
+    assert h100.tile_overhead_k == 384.0
+    m, n = 8192, 4096  # 128 tiles of 256x128 on 132 SMs: one wave whatever K
+    per_k = {k: h100.gemm_s(m, n, k) / k for k in (512, 8192)}
+    assert per_k[512] / per_k[8192] == pytest.approx((512 + 384) / 512 / ((8192 + 384) / 8192), rel=1e-6)
+    bare = ComputeModel(get_device("h100-sxm"), "bf16", tile_overhead_k=0.0)
+    assert h100.gemm_s(m, n, 512) / bare.gemm_s(m, n, 512) == pytest.approx(896 / 512, rel=1e-6)
+    assert _a100().tile_overhead_k == 0.0
+
+
 def test_skinny_gemm_runs_far_below_peak_and_never_beats_memory() -> None:
     """A router-like GEMM (N = 8 experts) reads the whole activation for few FLOPs: at best
     its HBM traffic, and far below the tensor peak (the 64-wide tiles are mostly padding)."""

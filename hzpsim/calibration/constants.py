@@ -36,12 +36,13 @@ CONSTANTS: tuple[Constant, ...] = (
         ("a100-40gb", "a100-80gb"),
     ),
     Constant(
-        "gemm_sm_efficiency.h100", 0.828, 0.65, 0.92, "fraction",
+        "gemm_sm_efficiency.h100", 0.852, 0.65, 0.92, "fraction",
         "fraction of an H100/H200 SM's dense tensor peak a compute-bound GEMM tile sustains "
         "at the TDP (the power-limited clock included)",
         "MAMF on H100 SXM: 794 of 989 TF (80.3 %) on its best shape 2048x2048x13312 "
         "(stas00/ml-engineering), where the tile model loses 3 % to wave quantisation (128 "
-        "tiles on 132 SMs): 0.803/0.970; range: 65-92 % (H100 GEMMs throttle below the "
+        "tiles on 132 SMs) and 2.8 % to the tiles' prologue and epilogue (384 of K = 13,312: "
+        "hardware/compute.py): 0.803/(0.970 x 0.972); range: 65-92 % (H100 GEMMs throttle below the "
         "1.83 GHz peak clock at 700 W; FA3 paper: optimised GEMMs reach 80-90 %)",
         ("h100-sxm", "h200"),
     ),

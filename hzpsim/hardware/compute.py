@@ -8,7 +8,8 @@ move through HBM, and a fixed host-side duration. Its time is the sum of
   Guide"): a GEMM is cut into threadblock tiles of one of :data:`TILES`; the tiles run in
   waves of one tile per SM; a wave takes a tile's FLOPs at the SM's sustained rate (the
   dense peak / SMs × ``gemm_sm_efficiency`` × the power-capped clock fraction), slower for
-  small tiles, which reuse less of each operand they load (:func:`tile_rate_fraction`). Like
+  small tiles, which reuse less of each operand they load (:func:`tile_rate_fraction`), plus
+  the tile's fixed prologue and epilogue (:data:`GEMM_TILE_OVERHEAD_K_HOPPER`). Like
   cuBLAS's heuristics, the fastest tiling and split-K factor is taken; never faster than
   moving its operands through HBM. Devices without an SM count keep one large-GEMM rate.
 * **attention** — the kernel family's measured speed for the head dimension (the device file's ``efficiency.attention_rates``,
@@ -80,6 +81,23 @@ def tile_rate_fraction(tm: int, tn: int) -> float:
     return min(1.0, tm * tn / (tm + tn) / _FULL_RATE_INTENSITY)
 
 
+#: A GEMM tile's fixed cost, in the K-depth whose main-loop time it equals: the pipeline
+#: prologue that fills the shared-memory stages before the first MMA, and the epilogue that
+#: converts the fp32 accumulators and writes the output tile (CUTLASS's multistage / warp-
+#: specialised Sm80 / Sm90 mainloops and their epilogues). A tile of depth K takes (K + this) /
+#: K of its MMA time, so short-K GEMMs (an MoE expert's weight gradient over a few hundred
+#: tokens, a row-parallel linear over a narrow FFN shard) run well below the large-GEMM rate.
+#: [MEA] Fitted to the 150-shape bf16 ``torch.matmul`` sweeps on an H100 (2026-11-26) and an
+#: H200 (2026-11-27) (``benchmarks/compare_gpu_probe.py --fit-k-overhead``): the value on a
+#: 32-step grid that makes predicted / measured most alike over all 300 shapes (spread of its
+#: log 0.098 without it, 0.069 with it). Without it the ratio ran 0.62 at K = 512, 0.69 at 768,
+#: 0.80 at 1,024 and 0.88 at 1,536 against 1.07 at K >= 4,096; each of the 14 shapes of
+#: K <= 1,536 solved alone against that gives 146-490.
+#: The device file carries it (``efficiency.gemm_tile_overhead_k``): the Hopper files (H100,
+#: H200, H20) this value; devices where no sweep measured it, 0 (their priors are MAMF's
+#: best-shape rates, which already include whatever it costs at that shape).
+GEMM_TILE_OVERHEAD_K_HOPPER = 384.0
+
 #: Fused attention speed per kernel family: the device file's ``efficiency.attention_rates``
 #: (forward, long sequences, head dimension 64 and 128, fractions of the dense 16-bit peak),
 #: each with its source there (FlashAttention-2/-3 papers).
@@ -102,9 +120,11 @@ DEFAULT_ATTENTION_KERNEL = "flash2"
 class ComputeModel:
     """Maps a compute op to seconds on one device type."""
 
-    def __init__(self, device: Device, dtype: str, efficiency: Efficiency | None = None) -> None:
+    def __init__(self, device: Device, dtype: str, efficiency: Efficiency | None = None,
+                 tile_overhead_k: float | None = None) -> None:
         self.device = device
         self.efficiency = efficiency or efficiency_for(device)
+        self.tile_overhead_k = self.efficiency.gemm_tile_overhead_k if tile_overhead_k is None else tile_overhead_k
         eff = self.efficiency
         # fp8 training runs the GEMMs in fp8 and everything else (attention) in bf16 (DESIGN §5)
         attention_dtype = "bf16" if dtype == "fp8" else dtype
@@ -142,14 +162,15 @@ class ComputeModel:
             best = math.inf
             for tm, tn in TILES:
                 tiles = math.ceil(m / tm) * math.ceil(n / tn) * math.ceil(batch)
-                tile_s = 2.0 * tm * tn * k / (self._sm_rate * tile_rate_fraction(tm, tn))
+                depth_s = 2.0 * tm * tn / (self._sm_rate * tile_rate_fraction(tm, tn))  # per unit of K
                 for split in SPLIT_K:
                     if split > 1 and tiles * split > 2 * sms:
                         break
                     waves = math.ceil(tiles * split / sms)
                     # split-K partial sums: written and read back once per extra split (fp32)
                     reduce_s = (split - 1) * m * n * batch * 8 / self._hbm_bytes_per_s
-                    best = min(best, waves * tile_s / split + reduce_s)
+                    # each split's tile runs K/split deep and pays the prologue and epilogue
+                    best = min(best, waves * depth_s * (k / split + self.tile_overhead_k) + reduce_s)
             memory_s = (m * k + k * n + m * n) * batch * self._operand_bytes / self._hbm_bytes_per_s
             seconds = max(best, memory_s)
         self._gemm_s[key] = seconds

@@ -66,6 +66,10 @@ class Efficiency:
     gemm_constant: str | None = None
     """Suffix of the fitted ``gemm_sm_efficiency.<suffix>`` constant shared by devices of one SM
     design (None: ``gemm`` stays the prior)."""
+    gemm_tile_overhead_k: float = 0.0
+    """A GEMM tile's fixed prologue and epilogue, as the K-depth of main loop it costs
+    (``hardware/compute.py``, :data:`~hzpsim.hardware.compute.GEMM_TILE_OVERHEAD_K_HOPPER`);
+    0 where it was not measured."""
     attention_rates: tuple[tuple[str, float, float], ...] = ()
     """Per fused attention kernel family, its forward speed as a fraction of the dense 16-bit
     peak at head dimension 64 and at 128 (long sequences); () = one rate for every kernel."""
@@ -218,6 +222,7 @@ class Device:
                            "attention_backward": e.attention_backward, "hbm": e.hbm,
                            "comm_overlap_slowdown": e.comm_overlap_slowdown, "attention_fraction": e.attention_fraction,
                            "fitted_constants": e.fitted_constants, "gemm_constant": e.gemm_constant, "source": e.source,
+                           "gemm_tile_overhead_k": e.gemm_tile_overhead_k or None,
                            "attention_rates": {k: [a, b] for k, a, b in e.attention_rates}},
             "host": {"kernel_launch_s": self.kernel_launch_s, "collective_call_s": self.collective_call_s,
                      "synchronous": self.synchronous_host,
@@ -354,7 +359,8 @@ def device_from_mapping(data: Any, where: str) -> Device:
         source=e.text("source") or "priors not stated: the peaks are taken as reached",
         comm_overlap_slowdown=e.number("comm_overlap_slowdown", strict=False) or 0.0,
         gemm_fp8=e.number("gemm_fp8", high=1.0), attention_fraction=e.number("attention_fraction", high=2.0) or 1.0,
-        fitted_constants=e.flag("fitted_constants", False), gemm_constant=e.text("gemm_constant"), attention_rates=tuple(rates))
+        fitted_constants=e.flag("fitted_constants", False), gemm_constant=e.text("gemm_constant"), attention_rates=tuple(rates),
+        gemm_tile_overhead_k=e.number("gemm_tile_overhead_k", strict=False, high=1e5) or 0.0)
     h = r.section("host")
     frameworks = h.data.get("frameworks") or {}
     if not isinstance(frameworks, dict):

@@ -133,14 +133,13 @@ def test_expanded_draws_are_seeded():
 
 @pytest.mark.slow
 def test_variability_never_helps_and_costs_where_ranks_wait():
-    """Weak scaling of ZeRO-3 (Llama-2-70B, 2 sequences per GPU) from 128 to 4,096 H100s with
-    the default variability loses no less per-GPU throughput than without, and the 4,096-GPU
-    step is longer with it. Only the rendezvous waits (the slowest member's late arrival)
-    remain: a transfer is no longer stretched (no source shows it), and a late gather that
-    prefetching hides behind compute costs nothing, so the gap is small (0.01 points in
-    this run, 2026-11-26; 0.001 points since the persistent part, 2026-11-27, which costs
-    2.7-2.8 % of the step at both sizes: the step at 4,096 is the more communication-bound),
-    where the stretched transfers once made it over 2 points."""
+    """ZeRO-3 (Llama-2-70B, 2 sequences per GPU) on 128 and 4,096 H100s: the default variability
+    (persistent slowness and per-step noise) lengthens the step at both sizes, never shortens
+    it. It does not have to cost more at the larger size: only the rendezvous waits (the slowest
+    member's late arrival) remain, a transfer is not stretched (no source shows it), and the
+    4,096-GPU step is bound by its gathers, whose queue absorbs part of a late arrival. On
+    2026-11-27: +0.45 s of 8.70 s at 128 GPUs (+5.2 %), +0.36 s of 13.31 s at 4,096 (+2.7 %),
+    so per-GPU weak scaling loses 1.6 points less with it than without."""
     def run(nodes: int, cv: str) -> dict:
         sc = load_scenario(None, ["model=llama2-70b", f"cluster.num_nodes={nodes}",
                                   f"training.global_batch_size={nodes * 16}", "training.activation_recompute=full",
@@ -149,10 +148,10 @@ def test_variability_never_helps_and_costs_where_ranks_wait():
         return run_choice(sc, sc.strategies[0])
 
     runs = {(nodes, cv): run(nodes, cv) for nodes in (16, 512) for cv in ("0", "")}
-    per_gpu = {k: r["tokens_per_s_per_device"] for k, r in runs.items()}
-    loss = {cv: 1 - per_gpu[(512, cv)] / per_gpu[(16, cv)] for cv in ("0", "")}
-    assert loss[""] >= loss["0"] - 1e-4
-    assert runs[(512, "")]["step_time_s"] > runs[(512, "0")]["step_time_s"]
+    for nodes in (16, 512):
+        assert runs[(nodes, "")]["step_time_s"] > runs[(nodes, "0")]["step_time_s"]
+        waited = runs[(nodes, "")]["exposed_comm_s"] - runs[(nodes, "0")]["exposed_comm_s"]
+        assert waited > 0  # the cost shows as exposed waiting, not as slower compute
 
 
 # -- explicit stragglers (cluster.stragglers) -------------------------------------------------

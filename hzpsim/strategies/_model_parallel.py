@@ -653,10 +653,10 @@ def _pass_memory(unit: MPUnit, forward_freed: Mapping[str, float] | None = None,
         handed += tuple(("temporaries", b) for b in unit.backward_temps if b)
     return _PassMemory(
         memory_delta({"activations": unit.activation_bytes}) + forward_temps,
-        forward_temps + memory_delta(dict(forward_freed or {})),
+        forward_temps + memory_delta(forward_freed),
         memory_delta({"activations": unit.recompute_bytes, "buffers": backward_buffers_taken}) + handed,
         memory_delta({"activations": unit.activation_bytes + unit.recompute_bytes - loss_saved,
-                      **_summed(backward_freed or {}, {})}) + handed,
+                      **(backward_freed or {})}) + handed,
     )
 
 

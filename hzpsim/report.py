@@ -294,7 +294,8 @@ def build_report(trace: Trace, model: Model, training: Training, strategy_resolv
     model_flops = model.model_flops_per_token(attention_keys(graph.meta, len(ends))) * tokens
     # recompute on the model-FLOPs basis (full attention, no causal halving)
     recompute_flops = tokens * sum(model.recompute_forward_flops(i, 1, training.activation_recompute, causal=False,
-                                                                 float8=training.precision == "fp8")
+                                                                 float8=training.precision == "fp8",
+                                                                 modules=training.recompute_modules)
                                    for i in range(model.num_layers))
     mfu = model_flops / (step_time * n * peak_flops)
     hfu = (model_flops + recompute_flops) / (step_time * n * peak_flops)
@@ -477,7 +478,8 @@ def format_summary(scenario: Scenario) -> str:
             f"{model.model_flops_per_token() / 1e9:.1f} GFLOP/token (PaLM), seq {model.seq_len}",
             f"training {training.global_batch_size} x {model.seq_len} = {tokens / 1e6:.2f}M tokens/step, "
             f"micro-batch {training.micro_batch_size}, {training.precision}, grads {training.grad_dtype}, "
-            f"recompute {training.activation_recompute}",
+            f"recompute {training.activation_recompute}"
+            + (f" ({', '.join(training.recompute_modules)})" if training.recompute_modules else ""),
             f"cluster  {topology.num_devices} x {device.name} ({topology.num_nodes} nodes x "
             f"{topology.devices_per_node}, preset {topology.spec.preset}), "
             f"{device.peak_flops_per_s(training.precision) / 1e12:.0f} TFLOP/s peak, "

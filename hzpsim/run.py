@@ -47,8 +47,10 @@ def report_of(scenario: Scenario, choice: StrategyChoice, graph: OpGraph, traces
 
 def training_resolved(scenario: Scenario, choice: StrategyChoice) -> dict[str, Any]:
     """The scenario's ``training`` as the strategy's implementation profile runs it (its kernel
-    defaults applied: ``Implementation.training_for``), every field."""
-    return to_mapping(strategies.training_as_simulated(choice.config, scenario.training, scenario.topology.device))
+    defaults applied: ``Implementation.training_for``, selective recompute's modules spelled
+    out), every field."""
+    training = strategies.training_as_simulated(choice.config, scenario.training, scenario.topology.device)
+    return to_mapping(training.resolved_recompute())
 
 
 def prediction_interval(scenario: Scenario, report: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from hzpsim.config import ScenarioError, from_mapping, to_mapping
 from hzpsim.hardware.devices import for_gemms
 from hzpsim.hardware.topology import ClusterSpec, ResolvedCluster, Topology
 from hzpsim.model import Model
+from hzpsim.model.checkpointing import check_modules
 from hzpsim.model.hf_config import is_config_path, model_fields
 from hzpsim.model.training import Training
 from hzpsim.presets import listing_once, load_preset, read_yaml
@@ -243,6 +244,10 @@ def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str, base
     raw_training = data.get("training")
     training = from_mapping(Training, {} if raw_training is None else raw_training, "training")
     cluster = from_mapping(ClusterSpec, _cluster_mapping(data.get("cluster")), "cluster")
+    try:
+        check_modules(model, training.recompute_modules)
+    except ValueError as exc:
+        raise ScenarioError(f"training.{exc}") from None
 
     if "strategies" in data:
         entries = data["strategies"]

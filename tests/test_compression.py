@@ -62,7 +62,7 @@ def plan_of(sc):
     choice = sc.strategies[0]
     from hzpsim.strategies import _family
     p = strategies.get(choice.name).plan(choice.config, sc.topology)
-    from hzpsim.strategies._model_parallel import mp_units
+    from hzpsim.strategies._mp_units import mp_units
     units = mp_units(sc.model, sc.training, p.dims.placed(sc.topology))
     return _family.compression_plan(p, sc.model, sc.training, [u.name for u in units], [u.dense_params for u in units])
 

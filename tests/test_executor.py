@@ -264,7 +264,7 @@ def test_simulator_eager_op_count_equals_what_pytorch_dispatches(variant):
     from hzpsim.model import Model
     from hzpsim.scenario import Training
     from hzpsim.strategies._dims import ParallelDims
-    from hzpsim.strategies._model_parallel import mp_units
+    from hzpsim.strategies._mp_units import mp_units
 
     def counts(layers: int) -> tuple[tuple[int, int], tuple[float, float]]:
         model = Model(**{"num_layers": layers, "hidden_size": 32, "num_heads": 4, "num_kv_heads": 2,
@@ -286,7 +286,7 @@ def test_compile_still_launches_fewer_kernels_than_eager():
     from hzpsim.model import Model
     from hzpsim.scenario import Training
     from hzpsim.strategies._dims import ParallelDims
-    from hzpsim.strategies._model_parallel import mp_units
+    from hzpsim.strategies._mp_units import mp_units
 
     model = Model(2, 64, 4, 128, 256, 32, num_kv_heads=2, dropout=False)
     eager, compiled = (mp_units(model, Training(global_batch_size=1, micro_batch_size=1, compile=c), ParallelDims())[1]

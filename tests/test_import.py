@@ -213,3 +213,23 @@ def load_scenario_text(text: str, tmp_path: Path):
     path = tmp_path / "imported.yaml"
     path.write_text(text)
     return load_scenario(str(path))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ("--recompute-granularity selective", {"activation_recompute": "selective"}),
+    ("--recompute-granularity selective --recompute-modules layernorm moe_act --moe-grouped-gemm",
+     {"activation_recompute": "selective", "recompute_modules": ["layernorm", "moe_act"]}),
+    ("--recompute-modules moe --recompute-granularity selective",
+     {"activation_recompute": "selective", "recompute_modules": ["moe"]}),
+])
+def test_megatron_recompute_modules_import_as_the_module_list(capsys, tmp_path, flags, expected):
+    """``--recompute-modules`` takes several words (nargs='*'); the list lands in
+    training.recompute_modules and the run resolves an unset list to the default core_attn."""
+    path = tmp_path / "args.txt"
+    path.write_text(MIXTRAL_ARGS.format(moe=flags))
+    text = imported(capsys, "megatron", str(path), "--nodes", "8")
+    training = yaml.safe_load(text)["training"]
+    assert {k: training.get(k) for k in expected} == expected
+    assert ("recompute_modules" in training) == ("recompute_modules" in expected)
+    resolved = report(load_scenario_text(text, tmp_path))["training_resolved"]
+    assert resolved["recompute_modules"] == expected.get("recompute_modules", ["core_attn"])

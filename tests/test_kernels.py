@@ -22,7 +22,7 @@ from hzpsim.run import run_choice
 from hzpsim.scenario import load_scenario, scenario_from_mapping
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._layers import Work
-from hzpsim.strategies._model_parallel import mp_units
+from hzpsim.strategies._mp_units import mp_units
 
 
 def test_merging_and_scaling_keep_exact_totals() -> None:

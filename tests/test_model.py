@@ -385,7 +385,7 @@ def test_swiglu_moves_5_bytes_per_element_eager_and_3_fused():
     from hzpsim.model import activations
     from hzpsim.model.training import Training
     from hzpsim.strategies._dims import ParallelDims
-    from hzpsim.strategies._model_parallel import mp_units
+    from hzpsim.strategies._mp_units import mp_units
 
     m = _tiny()
     assert m.mlp == "swiglu"

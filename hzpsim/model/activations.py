@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from hzpsim.model.checkpointing import (
     RECOMPUTE_MODES,
     RecomputeMode,
+    selective_modules,
     torchtitan_op_sac_recomputed_linears,
 )
 
@@ -102,6 +103,51 @@ def activation_terms_per_token(
     return terms
 
 
+def discarded_terms(model: Model, i: int, modules: frozenset[str], act_bytes: int = 2, eager: bool = False,
+                    moe_load: float = 1.0) -> dict[str, float]:
+    """Bytes per token of :func:`activation_terms_per_token`'s terms that selective recompute of
+    ``modules`` (``checkpointing.RECOMPUTE_MODULES``) does not keep, by term:
+
+    - ``layernorm``: the outputs of the recomputed norms (``checkpointing.recomputed_norms``
+      says which):
+      an MoE layer's pre-MLP norm output (its router's and dispatcher's input, ``mlp_input``)
+      and MLA's input norm output (``attn_qkv_input``);
+    - ``mla_up_proj``: the up-projected Q, K and V;
+    - ``mlp``: a dense layer's MLP intermediates (its input stays, the checkpoint's);
+    - ``moe``: everything inside the MoE layer (router probabilities, the routed copies and
+      their intermediates, the shared experts'); its input stays;
+    - ``moe_act``: the routed experts' activation output (the fc2 input), one of their
+      ``per_ffn`` intermediates;
+    - ``shared_experts``: the shared experts' intermediates."""
+    terms = activation_terms_per_token(model, i, act_bytes, eager, moe_load)
+    out: dict[str, float] = {}
+    moe = model.moe is not None and model.is_moe_layer(i)
+
+    def drop(name: str, amount: float | None = None) -> None:
+        if name in terms:
+            out[name] = max(out.get(name, 0.0), terms[name][0] if amount is None else amount)
+
+    if "layernorm" in modules:
+        if moe:
+            drop("mlp_input")
+        if model.mla is not None:
+            drop("attn_qkv_input")
+    if "mla_up_proj" in modules and model.mla is not None:
+        for name in ("attn_q", "attn_k", "attn_v"):
+            drop(name)
+    if "mlp" in modules and not moe:
+        drop("mlp_intermediate")
+    if moe and "moe" in modules:
+        for name in ("router_probs", "expert_inputs_outputs", "expert_intermediate", "shared_expert_intermediate"):
+            drop(name)
+    if moe and "shared_experts" in modules:
+        drop("shared_expert_intermediate")
+    if moe and "moe_act" in modules:
+        assert model.moe is not None
+        drop("expert_intermediate", model.moe.top_k * act_bytes * model.moe.expert_ffn_hidden_size * moe_load)
+    return out
+
+
 def activation_fn_bytes_per_ffn(model: Model, fused: bool) -> int:
     """HBM bytes the MLP's activation function moves per element of one B-byte intermediate
     (per token and per unit of the FFN width), in units of B.
@@ -172,6 +218,7 @@ def activation_bytes_per_layer(
     eager: bool = False,
     gathered_inputs: bool = False,
     moe_load: float = 1.0,
+    modules: tuple[str, ...] | None = None,
 ) -> float:
     """Activation bytes layer ``i`` keeps for its backward, per device (Korthikanti Table 2).
 
@@ -183,7 +230,9 @@ def activation_bytes_per_layer(
       scores against all keys). Not stored with flash_attention (the O(a·s·b) softmax
       statistics are ignored). GPT MHA/GELU/4h, cp=1: sbh(34 + 5as/h) with t=1;
       sbh(10 + 24/t + 5as/(ht)) with TP; sbh/t·(34 + 5as/h) with TP+SP.
-    - selective: as none without the score term (34·sbh/t with TP+SP).
+    - selective: as none less what the recomputed submodules ``modules`` (Megatron-Core's
+      ``recompute_modules``, default the attention core) would have kept
+      (:func:`discarded_terms`); with the attention core, no score term (34·sbh/t with TP+SP).
     - op (per-op selective checkpointing, ``checkpointing.torchtitan_op_sac_recomputed_linears``): the layer input,
       the outputs of the linears it does not run again (column-parallel: N/t per token;
       row-parallel: the whole h-wide partial sum, plus the reduce-scatter's h/t under
@@ -227,7 +276,12 @@ def activation_bytes_per_layer(
         return sb * per_token
     replicated = split = 0.0
     whole = 0.0
-    for name, (per_token, kind) in activation_terms_per_token(model, i, act_bytes, eager, moe_load).items():
+    chosen = selective_modules(recompute, modules)
+    terms = activation_terms_per_token(model, i, act_bytes, eager, moe_load)
+    for name, discarded in discarded_terms(model, i, chosen, act_bytes, eager, moe_load).items():
+        per_token, kind = terms[name]
+        terms[name] = (per_token - discarded, kind)
+    for name, (per_token, kind) in terms.items():
         if gathered_inputs and sequence_parallel and name in ("attn_qkv_input", "mlp_input"):
             whole += per_token
         elif kind == "replicated":
@@ -237,7 +291,7 @@ def activation_bytes_per_layer(
     total = sb * (whole + replicated / rep_div + split / tp)
     if flash_attention:  # the kernel's softmax statistics (FlashAttention's logsumexp, fp32)
         total += sb * 4 * model.num_heads / tp
-    if recompute == "none" and not flash_attention:
+    if "core_attn" not in chosen and not flash_attention:  # none, or selective without the attention core
         per_score = (2 * act_bytes + 1) if model.dropout else act_bytes
         total += per_score * model.num_heads * sb * model.seq_len / tp
     return total

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from hzpsim.model.checkpointing import DEFAULT_SELECTIVE_MODULES, RecomputeModule, selective_modules
 from hzpsim.model.sequences import SequenceLengths
 
 Precision = Literal["bf16", "fp16", "fp8", "fp32"]
@@ -67,6 +68,9 @@ class Training:
     activation_recompute: Literal["none", "selective", "op", "full"] = "none"  # selective: the
     # attention core (Megatron, Korthikanti §5); op: per-op selective checkpointing (torchtitan's
     # policy: every second matmul and every memory-bound kernel, Model.op_sac_recomputed_linears)
+    recompute_modules: tuple[RecomputeModule, ...] | None = field(default=None, metadata={"omit_if_none": True})
+    # what selective recompute runs again, Megatron-Core's --recompute-modules (checkpointing.py
+    # RECOMPUTE_MODULES); unset: its default, the attention core
     flash_attention: bool = True  # attention scores are never stored (no s^2 activation term)
     autocast: bool = False  # torch.autocast mixed precision: fp32 residual stream and elementwise
     # kernels, GEMM inputs cast to `precision` (LLM-Foundry amp_bf16); false = pure bf16 (Megatron, FSDP2)
@@ -93,6 +97,15 @@ class Training:
                 f"global_batch_size: {self.global_batch_size} is not divisible by "
                 f"micro_batch_size {self.micro_batch_size}"
             )
+        if self.recompute_modules is not None:
+            if self.activation_recompute != "selective":
+                raise ValueError(f"recompute_modules: names what selective recompute runs again, but "
+                                 f"activation_recompute is {self.activation_recompute!r} (set it to selective)")
+            if not self.recompute_modules:
+                raise ValueError("recompute_modules: empty; name at least one module, or set "
+                                 "activation_recompute: none")
+            if len(set(self.recompute_modules)) < len(self.recompute_modules):
+                raise ValueError(f"recompute_modules: names a module twice: {list(self.recompute_modules)}")
         if not self.flash_attention and self.attention_kernel not in ("auto", "unfused"):
             raise ValueError(
                 f"attention_kernel: {self.attention_kernel!r} is a fused kernel but flash_attention is false "
@@ -109,6 +122,18 @@ class Training:
         attention masks), else None."""
         spec = self.sequence_lengths
         return spec if isinstance(spec, SequenceLengths) and spec.varies else None
+
+    @property
+    def recomputed_modules(self) -> frozenset[str]:
+        """The submodules selective recompute runs again (empty unless ``selective``)."""
+        return selective_modules(self.activation_recompute, self.recompute_modules)
+
+    def resolved_recompute(self) -> Training:
+        """This training with ``recompute_modules`` spelled out where the default applies (for
+        ``training_resolved``)."""
+        if self.activation_recompute == "selective" and self.recompute_modules is None:
+            return replace(self, recompute_modules=DEFAULT_SELECTIVE_MODULES)  # type: ignore[arg-type]
+        return self
 
     @property
     def fused_pointwise(self) -> bool:

@@ -175,9 +175,12 @@ def enumerate_candidates(scenario: Scenario, families: Sequence[str], space: Spa
 
 
 def training_of(scenario: Scenario, candidate: Candidate) -> Training:
-    """The scenario's training with the candidate's knobs."""
+    """The scenario's training with the candidate's knobs (the scenario's ``recompute_modules``
+    say what a selective candidate recomputes; other candidates drop them)."""
+    modules = scenario.training.recompute_modules if candidate.activation_recompute == "selective" else None
     return dataclasses.replace(scenario.training, micro_batch_size=candidate.micro_batch_size,
-                               activation_recompute=candidate.activation_recompute)  # type: ignore[arg-type]
+                               activation_recompute=candidate.activation_recompute,  # type: ignore[arg-type]
+                               recompute_modules=modules)
 
 
 def variant(scenario: Scenario, candidate: Candidate) -> Scenario:

@@ -38,8 +38,8 @@ from hzpsim.model.kernels import Gemm
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._implementations import Implementation
 from hzpsim.strategies._layers import Work
-from hzpsim.strategies._model_parallel import MPUnit, mp_units
 from hzpsim.strategies._moe import BACKWARD_KIND
+from hzpsim.strategies._mp_units import MPUnit, mp_units
 from hzpsim.strategies._sharded import NestedSharding, Schedule
 
 
@@ -559,7 +559,7 @@ class BoundCache:
         deg = dataclasses.replace(deg, pp=1, vpp=1, dp=None)
         pp = pp if deg.ep > 1 else 1
         keys = least_attention_keys(training, self.model.seq_len, self.costs(training.precision, variability).compute)
-        key = (training.micro_batch_size, training.activation_recompute, training.fused_kernels,
+        key = (training.micro_batch_size, training.activation_recompute, training.recompute_modules, training.fused_kernels,
                training.attention_kernel, deg, pp, variability, keys)
         if key not in self._units:
             self._units[key] = unit_costs_of(self.costs(training.precision, variability),

@@ -28,7 +28,8 @@ from hzpsim.strategies import _compression, compose_label
 from hzpsim.strategies._compression import CompressionPlan, GradCompression
 from hzpsim.strategies._dims import NO_MODEL_PARALLELISM, ParallelDims
 from hzpsim.strategies._lengths import attach_lengths
-from hzpsim.strategies._model_parallel import UnitPass, mp_units
+from hzpsim.strategies._model_parallel import UnitPass
+from hzpsim.strategies._mp_units import mp_units
 from hzpsim.strategies._sharded import (
     Emitter,
     Ids,

@@ -3,7 +3,7 @@
 Memory-bound traffic [INF]: every stored activation is written once in the forward and read
 once in the backward, where the gradient of the same size is also written, so a layer's
 norm / activation-function / residual / dropout kernels move about its activation bytes in the
-forward and twice that in the backward (see ``_model_parallel.mp_units``).
+forward and twice that in the backward (see ``_mp_units.mp_units``).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def permute_bytes(tokens: float, act: int, hidden: int, top_k: int) -> float:
 
 def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm], tokens: float, act: int,
               deg: ParallelDims, mode: str, router_redo: Sequence[tuple[int, int, str]],
-              fused_pointwise: bool = False) -> MoEWork:
+              fused_pointwise: bool = False, modules: frozenset[str] = frozenset()) -> MoEWork:
     """The router, permutation, experts and un-permutation of MoE layer ``i`` for one rank's
     ``tokens`` (:class:`MoEWork`), per micro-batch, their HBM bytes counted kernel by kernel
     [INF, after Megatron-Core ``moe/router.py::TopKRouter`` and ``moe/moe_utils.py::permute`` /
@@ -177,8 +177,11 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
       busiest rank's copies (SwiGLU 5·B·f eager, 3·B·f fused by ``fused_pointwise``; GELU
       2·B·f: ``activations.activation_fn_bytes_per_ffn``), weights and intermediate split by etp.
 
-    The full recompute repeats the whole forward; per-op SAC (``op``) repeats the routed GEMMs
-    and the router's recomputed linears (``router_redo``)."""
+    The full recompute repeats the whole forward, and so does selective recompute of the MoE
+    layer (``modules`` holds ``moe``: Megatron-Core's ``moe_layer.py`` checkpoints the router,
+    dispatch, experts and combine together); ``moe_act`` repeats the routed experts' activation
+    function (``experts.py``, ``CheckpointWithoutOutput``); per-op SAC (``op``) repeats the
+    routed GEMMs and the router's recomputed linears (``router_redo``)."""
     assert model.moe is not None
     h, k, e = model.hidden_size, model.moe.top_k, model.moe.num_experts
     per_ffn = activation_fn_bytes_per_ffn(model, fused_pointwise)
@@ -195,10 +198,12 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
     bwd_permute = Work(bytes_accessed=moved * cost.permute_backward)
     bwd_unpermute = Work(bytes_accessed=moved * cost.unpermute_backward)
     bwd_experts = Work.of([g for shape in experts for g in shape.backward()], 2 * activation_bytes)
-    if mode == "full":  # the whole forward again, each kernel before its own backward
+    if mode == "full" or "moe" in modules:  # the whole forward again, each kernel before its own backward
         bwd_router, bwd_permute = bwd_router + fwd_router, bwd_permute + fwd_permute
         bwd_unpermute = bwd_unpermute + fwd_unpermute
         bwd_experts = bwd_experts + fwd_experts
+    elif "moe_act" in modules:  # the activation function again, before the experts' backward
+        bwd_experts = bwd_experts + Work(bytes_accessed=activation_bytes)
     elif mode == "op":
         bwd_experts = bwd_experts + fwd_experts
         bwd_router = bwd_router + Work.of(linear_gemms(router_redo, tokens, 1))

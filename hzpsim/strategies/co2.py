@@ -50,7 +50,8 @@ from hzpsim.strategies import _family, _implementations, compose_label
 from hzpsim.strategies._dims import NO_MODEL_PARALLELISM
 from hzpsim.strategies._layers import Work
 from hzpsim.strategies._lengths import attach_lengths
-from hzpsim.strategies._model_parallel import UnitPass, mp_units
+from hzpsim.strategies._model_parallel import UnitPass
+from hzpsim.strategies._mp_units import mp_units
 from hzpsim.strategies._nd_layout import sharding_sizes
 from hzpsim.strategies._sharded import Emitter, Ids, Schedule, flat_uses
 

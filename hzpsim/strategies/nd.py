@@ -32,7 +32,8 @@ from hzpsim.strategies import (
     training_as_simulated,
 )
 from hzpsim.strategies._lengths import attach_lengths
-from hzpsim.strategies._model_parallel import MPUnit, UnitPass, merge_units, mp_units
+from hzpsim.strategies._model_parallel import UnitPass
+from hzpsim.strategies._mp_units import MPUnit, merge_units, mp_units
 from hzpsim.strategies._nd_layout import (  # noqa: F401 (the plugin's layout, re-exported)
     Layout,
     dims,

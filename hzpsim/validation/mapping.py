@@ -22,6 +22,7 @@ from hzpsim.config import ScenarioError, from_mapping
 from hzpsim.hardware.devices import get_device
 from hzpsim.hardware.topology import preset_spec
 from hzpsim.model import Model
+from hzpsim.model.checkpointing import RECOMPUTE_MODULES
 from hzpsim.strategies import _implementations
 from hzpsim.validation.cells import RowSkipped, blank, cell_text, need_whole, number, whole
 from hzpsim.validation.families import family_of
@@ -144,6 +145,40 @@ def map_recompute(text: str, system: str = "") -> tuple[str, list[str]]:
                               "selective_ac_option 'op') -> op"]
             return mode, []
     return "none", ["act_recompute blank -> none (framework default without a checkpointing flag)"]
+
+
+_MODULE_ALIASES = {"rmsnorm": "layernorm", "mla up-projection recompute": "mla_up_proj", "mla up-projection": "mla_up_proj"}
+"""How a row's recompute note names a Megatron-Core ``--recompute-modules`` entry other than by
+its own name."""
+
+
+def map_recompute_modules(text: str) -> tuple[list[str] | None, list[str]]:
+    """The ``recompute_modules`` list a ``selective (...)`` cell states, Megatron-Core's
+    ``--recompute-modules`` (``checkpointing.RECOMPUTE_MODULES``; the aliases of
+    :data:`_MODULE_ALIASES`): None when the parentheses name no module (a plain selective
+    recompute, the attention core). Entries it cannot read are named in the notes."""
+    t = text.strip().lower()
+    found = re.match(r"selective\s*\(([^)]*)\)(.*)", t)
+    if found is None:
+        return None, []
+    inside, rest = found.group(1), found.group(2).strip()
+    modules: list[str] = []
+    unread: list[str] = []
+    for token in (x.strip() for x in inside.split(",")):
+        name = _MODULE_ALIASES.get(token, token)
+        if name in RECOMPUTE_MODULES:
+            if name not in modules:
+                modules.append(name)
+        elif token:
+            unread.append(token)
+    if not modules:
+        return None, []
+    notes = [f"act_recompute {text!r} -> recompute_modules {modules} (Megatron-Core --recompute-modules)"]
+    if unread:
+        notes.append(f"act_recompute {text!r}: not a recompute module, ignored: {', '.join(unread)}")
+    if rest:
+        notes.append(f"act_recompute {text!r}: not modelled, ignored: {rest}")
+    return modules, notes
 
 
 def model_family(name: str) -> str:
@@ -466,6 +501,8 @@ def case_from_row(row: dict[str, Any], index: int, need_measurement: bool = True
         assumptions += a
         recompute, a = map_recompute(cell_text(row, "act_recompute"), cell_text(row, "system"))
         assumptions += a
+        modules, a = map_recompute_modules(cell_text(row, "act_recompute")) if recompute == "selective" else (None, [])
+        assumptions += a
         mbs = whole(row, "micro_batch")
         if mbs is None:
             dp = strategy.get("dp", n_gpus)
@@ -481,6 +518,8 @@ def case_from_row(row: dict[str, Any], index: int, need_measurement: bool = True
             "precision": precision,
             "activation_recompute": recompute,
         }
+        if modules is not None:
+            training["recompute_modules"] = modules
         grad = _grad_dtype(row)
         if grad:
             training["grad_dtype"] = grad

@@ -34,7 +34,7 @@ READ: dict[str, Callable[[str], Any] | type] = {
     "moe-shared-expert-intermediate-size": int, "micro-batch-size": int, "global-batch-size": int,
     "bf16": bool, "fp16": bool, "fp8-format": str, "accumulate-allreduce-grads-in-fp32": bool,
     "recompute-granularity": str, "recompute-method": str, "recompute-num-layers": int,
-    "recompute-activations": bool, "checkpoint-activations": bool, "activations-checkpoint-method": str,
+    "recompute-modules": str, "recompute-activations": bool, "checkpoint-activations": bool, "activations-checkpoint-method": str,
     "activations-checkpoint-num-layers": int, "tensor-model-parallel-size": int,
     "pipeline-model-parallel-size": int, "context-parallel-size": int, "expert-model-parallel-size": int,
     "expert-tensor-parallel-size": int, "num-layers-per-virtual-pipeline-stage": int,
@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+LISTS = frozenset({"recompute-modules"})
+"""Arguments that take several words (argparse ``nargs='*'`` in ``megatron/training/arguments.py``)."""
+
+
 def parse_arguments(words: list[str], source: str) -> dict[str, str | None]:
     """``--name value`` / ``--name=value`` / ``--flag`` -> {name: value or None}, names lower-case."""
     out: dict[str, str | None] = {}
@@ -91,6 +95,14 @@ def parse_arguments(words: list[str], source: str) -> dict[str, str | None]:
             raise ScenarioError(f"{source}: {word!r}: expected a --argument (pretrain_gpt.py takes no positional ones)")
         name, eq, value = word[2:].partition("=")
         name = name.lower().replace("_", "-")
+        if not eq and name in LISTS:  # nargs='*': every word up to the next --argument
+            items = []
+            while i + 1 < len(words) and not words[i + 1].startswith("--"):
+                items.append(shell.check_resolved(words[i + 1], f"{source}: --{name}"))
+                i += 1
+            out[name] = " ".join(items) if items else None
+            i += 1
+            continue
         if not eq:
             nxt = words[i + 1] if i + 1 < len(words) else None
             if nxt is not None and (not nxt.startswith("-") or _number(nxt)):
@@ -370,6 +382,9 @@ def _recompute(draft: Draft, a: _Args, era: str) -> None:
         return
     if granularity == "selective":
         draft.set("training.activation_recompute", "selective")
+        modules = a.get("recompute-modules", None)
+        if modules:  # TransformerConfig.recompute_modules (its default ["core_attn"] is hzpsim's)
+            draft.set("training.recompute_modules", modules.replace(",", " ").split())
         return
     if granularity != "full":
         raise ScenarioError(f"--recompute-granularity: {granularity!r} (full or selective)")

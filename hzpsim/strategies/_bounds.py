@@ -173,6 +173,13 @@ class UnitCost:
     backward_kernel_s: float = 0.0
     launches: float = 0.0  # kernels its forward and backward launch (MPUnit.kernels_*)
     tp_calls: int = 0  # TP collective calls of its forward and backward (the logits' gather counted)
+    expert_tensors: tuple[float, ...] = ()  # its local experts' parameter tensors (MPUnit.expert_tensors)
+
+    def experts_as_dense(self) -> UnitCost:
+        """This unit with its expert parameters in place of its dense ones (their data-parallel
+        collectives priced by :func:`dp_units_of` over the expert-data-parallel group)."""
+        return dataclasses.replace(self, dense_params=self.expert_params,
+                                   tensors=self.expert_tensors or (self.expert_params,))
 
     @property
     def forward_and_wait_s(self) -> float:
@@ -265,7 +272,8 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
                              kernels_sq=forward_sq + back ** 2 + back_remote ** 2 + moe_sq, forward_sq=forward_sq,
                              forward_kernel_s=pre + post if simple else 0.0, backward_kernel_s=back if simple else 0.0,
                              launches=u.kernels_forward + u.kernels_backward,
-                             tp_calls=sum(c for _, c, _ in [*u.tp_calls(True, True), *u.tp_calls(False)])))
+                             tp_calls=sum(c for _, c, _ in [*u.tp_calls(True, True), *u.tp_calls(False)]),
+                             expert_tensors=tuple(u.expert_tensors)))
     return out
 
 
@@ -342,6 +350,18 @@ class DPUnit:
     step_rs: float = 0.0  # step end (dp stream): reduce-scatter over the optimizer group
     replica_ar: float = 0.0  # step end: all-reduce over the replicas
     step_ag: float = 0.0  # after the optimizer (dp stream): all-gather of the updated shard
+    # the unit's expert parameters (nd: their own ShardedParams over the expert-data-parallel
+    # group, on the same streams): their gathers are in gather_fwd / gather_bwd (the pass waits
+    # for both, one stream runs both); their reduce-scatter follows the dense one on the rs
+    # stream (UnitPass._backward: dense first), and their step-end reductions run on the dp stream
+    expert_reduce: float = 0.0
+    expert_step: float = 0.0  # step_rs + replica_ar of the experts (their step-end gather left out)
+
+    def with_experts(self, experts: DPUnit) -> DPUnit:
+        """This dense unit with ``experts``, the same unit's expert collectives, folded in."""
+        return dataclasses.replace(self, gather_fwd=self.gather_fwd + experts.gather_fwd,
+                                   gather_bwd=self.gather_bwd + experts.gather_bwd, expert_reduce=experts.reduce,
+                                   expert_step=experts.step_rs + experts.replica_ar)
 
 
 def dp_units_of(costs: Costs, units: Sequence[UnitCost], sizes: tuple[int, int, int], dp_group: Sequence[int],

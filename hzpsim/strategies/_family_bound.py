@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from hzpsim.hardware.placement import expert_placement
 from hzpsim.hardware.topology import Topology
 from hzpsim.model import Model
 from hzpsim.model.training import Training
@@ -64,7 +65,7 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
     sizes = (plan.param_size, plan.grad_size, plan.optim_size)
     p, g, o = sizes
     expert_world = n // (deg.ep * deg.etp)
-    expert_sizes = tuple(min(s, expert_world) for s in sizes)
+    expert_sizes = (min(p, expert_world), min(g, expert_world), min(o, expert_world))
     opt_dense = costs.work_s(Work(bytes_accessed=dense / o * opt_rate))
     opt_expert = costs.work_s(Work(bytes_accessed=expert / expert_sizes[2] * opt_rate)) if expert else 0.0
     optimizer = opt_dense + opt_expert
@@ -78,6 +79,14 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
     dp_group = range(0, n, deg.tp)
     num = len(unit_costs)
     dpu = bounder.dp_units(costs, unit_costs, 0, num, sizes, dp_group, training, schedule)
+    expert_group: tuple[int, ...] = ()
+    expert_units: list = []
+    if expert and expert_sizes != (1, 1, 1):  # the experts' own collectives (DPUnit.with_experts)
+        expert_group = tuple(expert_placement(n, deg.ep, deg.etp).group("edp", 0))
+        expert_units = bounder.table("family.expert_units").setdefault(
+            id(unit_costs), (unit_costs, [u.experts_as_dense() for u in unit_costs]))[1]
+        experts = bounder.dp_units(costs, expert_units, 0, num, expert_sizes, expert_group, training, schedule)
+        dpu = [d.with_experts(e) for d, e in zip(dpu, experts)]
     compressed_demand = None
     if _compression.resolved(plan.grad_compression) is not None:
         dpu, compressed_demand = _compressed(bounder, plan, training, unit_costs, dpu, costs, dp_group, m)
@@ -135,6 +144,7 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
                         t_rs = max(t_rs, t) + d.reduce
                         scatters.append(t_rs)
                         done = t_rs
+                    t_rs += d.expert_reduce  # after the dense one, on the same stream
                     final[u] = done
     end_backward = t
     wait = end_backward if not schedule.effective_overlap_grad_reduce else -math.inf
@@ -173,10 +183,15 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
     for uc in unit_costs:
         for level, b in uc.link_bytes:
             demand[level] = demand.get(level, 0.0) + m * b
+    if expert_group:  # the experts' (their step-end gather left out: it may precede the boundary)
+        for level, b in bounder.sharded_demand(costs, [u.dense_params for u in expert_units], m, expert_sizes,
+                                               expert_group, training, schedule).items():
+            demand[level] = demand.get(level, 0.0) + b
     streams = {
         "ag": m * sum(d.gather_fwd + (d.gather_bwd if reshard else 0.0) for d in dpu),
-        "rs": m * sum(d.reduce for d in dpu),
-        "dp": sum(d.step_ag for d in dpu) + (whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu)),
+        "rs": m * sum(d.reduce + d.expert_reduce for d in dpu),
+        "dp": sum(d.step_ag + d.expert_step for d in dpu)
+        + (whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu)),
     }
     talking = max(costs.link_s(demand), stream_sums(schedule, streams)) - early
     head = max(0.0, min(first_start if first_start is not None else 0.0,

@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from hzpsim.hardware.placement import expert_placement
 from hzpsim.hardware.topology import Topology
 from hzpsim.strategies import _nd_layout as nd
 from hzpsim.strategies import training_as_simulated
@@ -96,6 +97,13 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     expert_dp = n // (cfg.ep * cfg.etp * p) if moe else 1
     expert_sizes = nd.sharding_sizes(cfg.sharding_stage, expert_dp)
     block = cfg.tp * cfg.cp * lay.dp
+    if moe and expert_sizes != (1, 1, 1):
+        # each stage's expert-data-parallel group (of its first rank: the group the simulated
+        # rank's expert ShardedParams uses) and the units with their experts as their parameters
+        placement = expert_placement(n, cfg.ep, cfg.etp, p)
+        expert_groups = [tuple(placement.group("edp", s * block)) for s in range(p)]
+        expert_units = bounder.table("nd.expert_units").setdefault(
+            id(unit_costs), (unit_costs, [u.experts_as_dense() for u in unit_costs]))[1]
     last = _last_action(bounder, p, v, m)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
     wait_all = not schedule.effective_overlap_grad_reduce
@@ -142,6 +150,11 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
         dp_group = range(s * block, (s + 1) * block, cfg.tp)
         local = [(spans[c * p + s]) for c in range(v)]
         dpu = [d for a, b in local for d in bounder.dp_units(costs, unit_costs, a, b, sizes, dp_group, training, schedule)]
+        if moe and expert_sizes != (1, 1, 1):  # the experts' own collectives (DPUnit.with_experts)
+            edp = expert_groups[s]
+            experts = [e for a, b in local for e in bounder.dp_units(costs, expert_units, a, b, expert_sizes, edp,
+                                                                      training, schedule)]
+            dpu = [d.with_experts(e) for d, e in zip(dpu, experts)]
         stage_dp.append(dpu)
         release = opt_lo[s]
         ready0 = release - early[s]
@@ -203,6 +216,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
                 if d.reduce:
                     t_rs = max(t_rs, done) + d.reduce
                     done = t_rs
+                t_rs += d.expert_reduce  # after the dense one, on the same stream
                 finals.append((k, done, d))
             d = dpu[0]
             last_chain = d.reduce + d.step_rs + d.replica_ar
@@ -268,10 +282,15 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
             if lb:
                 demand[level] = demand.get(level, 0.0) + m * lb
         whole = whole_buffer_s(costs, sum(params), sizes, dp_group, training, schedule)
+        if moe and expert_sizes != (1, 1, 1):  # the experts' (their step-end gather left out, as the dense one's)
+            expert_params = tuple(unit_costs[u].expert_params for j in vstages for u in range(*spans[j]))
+            demand = _summed(demand, bounder.sharded_demand(costs, expert_params, m, expert_sizes, expert_groups[s],
+                                                            training, plain))
         streams = {
             "ag": per_step * sum(d.gather_fwd + d.gather_bwd for d in dpu),
-            "rs": per_step * sum(d.reduce for d in dpu),
-            "dp": sum(d.step_ag for d in dpu) + (whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu)),
+            "rs": per_step * sum(d.reduce + d.expert_reduce for d in dpu),
+            "dp": sum(d.step_ag + d.expert_step for d in dpu)
+            + (whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu)),
         }
         talking = max(costs.link_s(demand), stream_sums(schedule, streams))
         non_overlapping = talk[s] + norm + heads[s] + exposed[s]
@@ -282,6 +301,10 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     w, tk = work[critical], talk[critical]
     exp = tails[critical] + norm + heads[critical]
     return Bound(step, w, tk, max(0.0, chain - w - exp), memory, window, window > chain, exp)
+
+
+def _summed(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {*a, *b}}
 
 
 def _drain(bodies: list[float], last_pass: list[float], backs: list[float], drains: bool) -> list[float]:
@@ -336,8 +359,9 @@ def _slowed_bodies(bounder: BoundCache, costs: Costs, unit_costs: list[UnitCost]
                                            for k in range(*spans[c * p + j])), sizes, dp_group, training, schedule)
         busy: dict[str, float] = {}
         # kept unsharded, the one reduction per step starts after the body
-        for role, seconds in (("rs", schedule.per_step(m) * sum(d.reduce for d in dpu)),
-                              ("dp", whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu))):
+        for role, seconds in (("rs", schedule.per_step(m) * sum(d.reduce + d.expert_reduce for d in dpu)),
+                              ("dp", sum(d.expert_step for d in dpu)
+                               + (whole if whole is not None else sum(d.step_rs + d.replica_ar for d in dpu)))):
             name = schedule.stream(role)
             busy[name] = busy.get(name, 0.0) + seconds
         talking = max(busy.values(), default=0.0)
@@ -564,6 +588,7 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
                             t_rs[s] = max(t_rs[s], now) + d.reduce
                             scatters[s].append(t_rs[s])
                             done = t_rs[s]
+                            t_rs[s] += d.expert_reduce  # after the dense one, on the same stream
                         if mb == m - 1:
                             final[s][i] = done
                             if inline:

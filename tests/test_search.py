@@ -69,7 +69,8 @@ def _sample(scenario, space, every: int):
 def _check_bounds(scenario, candidates):
     """Step-time and memory bounds <= what the simulator reports; the bound/simulated ratios."""
     bounder = S.Bounder(scenario)
-    tight = []
+    tight: list[float] = []
+    overheads: list[float] = []
     for candidate in candidates:
         result = S.evaluate(scenario, candidate)
         if "report" not in result:
@@ -81,7 +82,12 @@ def _check_bounds(scenario, candidates):
         b = refined
         # a lower bound of what PyTorch allocates, so also of what its allocator reserves
         assert b.memory_bytes <= report["peak_memory_allocated_bytes"] * (1 + 1e-9), (candidate.label(), b)
+        # and the NCCL communicators it certainly holds, of what the simulated ranks hold
+        communicators = report["device_overhead_bytes"] - scenario.topology.device.context_bytes
+        assert b.overhead_bytes <= communicators * (1 + 1e-9), (candidate.label(), b.overhead_bytes, communicators)
+        overheads.append(b.overhead_bytes)
         tight.append(b.step_time_s / report["step_time_s"])
+    assert not candidates or max(overheads, default=0.0) > 0 or not scenario.topology.device.communicator_bytes
     return tight
 
 

@@ -153,9 +153,11 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
         b = bounder(candidate)
         row = Row(candidate, "alive", bound=b)
         rows.append(row)
-        if b.memory_bytes > room and not exhaustive:
+        if b.memory_bytes + b.overhead_bytes > room and not exhaustive:
             row.status = "pruned_memory"
-            row.reason = f"needs at least {b.memory_bytes / 2**30:.1f} GiB of {capacity / 2**30:.1f} GiB"
+            row.reason = (f"needs at least {b.memory_bytes / 2**30:.1f} GiB"
+                          + (f" + {b.overhead_bytes / 2**30:.1f} GiB of NCCL communicators" if b.overhead_bytes else "")
+                          + f" of {capacity / 2**30:.1f} GiB")
             continue
         alive.append(row)
     alive.sort(key=lambda r: (r.bound.step_time_s, r.candidate.key))  # type: ignore[union-attr]

@@ -55,6 +55,9 @@ class Bound:
     link_s: float = 0.0  # least talking time: busiest link's bytes at full rate, or busiest communication stream
     link_limited: bool = False  # the talking term, not the compute-stream chain, set step_time_s
     exposed_s: float = 0.0  # data-parallel gathers before the first forward, reductions after the last backward
+    # device memory outside PyTorch's allocator the layout certainly holds beyond the driver's
+    # context: NCCL communicators (communicators_at_least), which fits_in_memory counts too
+    overhead_bytes: float = 0.0
 
     @property
     def limited_by(self) -> str:
@@ -605,6 +608,15 @@ def least_attention_keys(training, seq_len: int, compute: ComputeModel) -> tuple
 
 def range_key(ranks: Sequence[int]) -> Any:
     return (ranks.start, ranks.stop, ranks.step) if isinstance(ranks, range) else tuple(ranks)
+
+
+def communicators_at_least(group_sizes: Sequence[int], pairs: int = 0) -> int:
+    """NCCL communicators a rank certainly holds (``sim/allocator.communicators``: one per
+    distinct set of two or more ranks it talks with): one per distinct size among the groups
+    it belongs to (sets of different sizes differ; two groups of one size may be the same set,
+    counted once), plus ``pairs`` point-to-point pipeline neighbours (their sets cross stages,
+    unlike every other group but the world's, whose size is larger)."""
+    return len({s for s in group_sizes if s > 1}) + pairs
 
 
 def norm_s(costs: Costs, n: int, squares: float = 0.0) -> float:

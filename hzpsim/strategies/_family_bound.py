@@ -25,6 +25,7 @@ from hzpsim.strategies._bounds import (
     BoundCache,
     Costs,
     DPUnit,
+    communicators_at_least,
     norm_s,
     slowed,
     static_bytes,
@@ -201,7 +202,12 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
     slow = slowed(kernels, talking, sd, non_overlapping)
     step = max(chain, slow)
     work = m * sum(u.forward_s + u.backward_s for u in unit_costs)
-    return Bound(step, work + optimizer, units_talk, 0.0, memory, talking, slow > chain, head + tail + norm)
+    # the communicators every rank holds: the world's (the gradient norm), TP, CP, EP, the
+    # parameter gathers' and gradient reductions' groups, and the experts'
+    expert_groups = (expert_sizes[0], expert_sizes[1]) if expert else ()
+    overhead = topology.device.communicator_bytes * communicators_at_least(
+        (n, deg.tp, deg.cp, deg.ep if expert else 1, p, g, *expert_groups))
+    return Bound(step, work + optimizer, units_talk, 0.0, memory, talking, slow > chain, head + tail + norm, overhead)
 
 
 def _compressed(bounder: BoundCache, plan: FamilyPlan, training: Training, unit_costs: list, dpu: list[DPUnit],

@@ -26,6 +26,7 @@ from hzpsim.strategies._bounds import (
     Costs,
     DPUnit,
     UnitCost,
+    communicators_at_least,
     norm_s,
     slowed,
     static_bytes,
@@ -300,7 +301,11 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     step = max(chain, window, 0.0)
     w, tk = work[critical], talk[critical]
     exp = tails[critical] + norm + heads[critical]
-    return Bound(step, w, tk, max(0.0, chain - w - exp), memory, window, window > chain, exp)
+    # the communicators every rank holds: the world's (the gradient norm), TP, CP, EP, the dense
+    # and expert data-parallel groups, and at least one pipeline neighbour
+    sizes_held = (n, cfg.tp, cfg.cp, cfg.ep if moe else 1, dense_dp, expert_dp if moe else 1)
+    overhead = topology.device.communicator_bytes * communicators_at_least(sizes_held, 1 if p > 1 and n > 2 else 0)
+    return Bound(step, w, tk, max(0.0, chain - w - exp), memory, window, window > chain, exp, overhead)
 
 
 def _summed(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:

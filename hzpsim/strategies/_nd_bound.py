@@ -28,6 +28,7 @@ from hzpsim.strategies._bounds import (
     UnitCost,
     communicators_at_least,
     norm_s,
+    persistent_norm_s,
     slowed,
     static_bytes,
     stream_sums,
@@ -138,6 +139,10 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     if max(groups) < n:
         squares = max(m * sum(run_sum("kernels_sq", c * p + s) for c in range(v)) + opt_lo[s] ** 2 for s in range(p))
     norm = norm_s(costs, n, squares)
+    # and the persistent slowness it waits for (each stage's kernels and least optimizer; the
+    # pipeline's sends are not rendezvous, a tied embedding's group has two ranks)
+    least = [m * sum(run_sum("kernels_s", c * p + s) for c in range(v)) + opt_lo[s] for s in range(p)]
+    norm += persistent_norm_s(costs, n, max(*groups, 2), least)
 
     # the chain: fill (chunk 0 of micro-batch 0 through the stages, each behind its own step-end
     # gathers), each stage's own work, drain (chunk 0 of the last micro-batch back), reductions

@@ -134,6 +134,8 @@ def search_frame(result: Any) -> pd.DataFrame:
             "activation_recompute": c.activation_recompute, **{f"strategy.{k}": v for k, v in c.fields},
             "status": row.status, "reason": row.reason,
             "bound_step_time_s": b.step_time_s if b else None, "bound_memory_gib": b.memory_bytes / 2**30 if b else None,
+            "bound_overhead_gib": b.overhead_bytes / 2**30 if b else None,
+            "device_overhead_gib": r["device_overhead_bytes"] / 2**30 if r else None,
             "step_time_s": r["step_time_s"] if r else None, "tokens_per_s": r["tokens_per_s"] if r else None,
             "mfu": r["mfu"] if r else None, "peak_memory_gib": r["peak_memory_bytes"] / 2**30 if r else None,
             "fits_in_memory": bool(r["fits_in_memory"]) if r else (False if row.status in ("pruned_memory", "rejected") else None),

@@ -163,32 +163,39 @@ def scaling(points: pd.DataFrame, x: str, y: str = "tokens_per_s_per_device", se
 
 
 def search_landscape(result, ax=None):
-    """Every candidate a search simulated: throughput against peak memory per device, by family;
-    filled when it fits, hollow when it does not; the best ringed. Candidates pruned by a bound
-    are drawn at their bounds (memory lower bound, throughput upper bound) as small crosses."""
+    """Every candidate a search simulated: throughput against the device memory it takes (what
+    PyTorch's allocator reserves at its peak, plus the driver's context and the NCCL
+    communicators outside it, so that the device's capacity is the line between fitting and
+    not), by family; filled when it fits, hollow when it does not; the best ringed. Candidates
+    pruned by a bound are drawn at their bounds (memory lower bound with the communicators it
+    counts, throughput upper bound) as small crosses."""
     frame = frames.search_frame(result)
     fig, ax = _figure(ax, (8.5, 5))
     tokens = result.scenario.training.global_batch_size * result.scenario.model.seq_len
+    context = result.scenario.topology.device.context_bytes / 2**30
     pruned = frame[frame["status"].isin(["pruned_bound", "pruned_memory"])]
     if len(pruned):
-        ax.scatter(pruned["bound_memory_gib"], tokens / pruned["bound_step_time_s"], marker="x", s=8, color="#bbbbbb",
-                   linewidths=0.6, label=f"pruned by a bound ({len(pruned):,})")
+        ax.scatter(pruned["bound_memory_gib"] + pruned["bound_overhead_gib"] + context, tokens / pruned["bound_step_time_s"],
+                   marker="x", s=8, color="#bbbbbb", linewidths=0.6, label=f"pruned by a bound ({len(pruned):,})")
     sim = frame[frame["status"] == "simulated"]
     for family, group in sim.groupby("family", sort=False):
         color = strategies.color(str(family), "#333333")
         fits = group[group["fits_in_memory"].astype(bool)]
         oom = group[~group["fits_in_memory"].astype(bool)]
-        ax.scatter(fits["peak_memory_gib"], fits["tokens_per_s"], s=22, color=color, label=f"{family}")
-        ax.scatter(oom["peak_memory_gib"], oom["tokens_per_s"], s=22, facecolors="none", edgecolors=color)
+        ax.scatter(fits["peak_memory_gib"] + fits["device_overhead_gib"], fits["tokens_per_s"], s=22, color=color,
+                   label=f"{family}")
+        ax.scatter(oom["peak_memory_gib"] + oom["device_overhead_gib"], oom["tokens_per_s"], s=22, facecolors="none",
+                   edgecolors=color)
     best = result.best
     if best is not None and best.report is not None:
-        ax.scatter([best.report["peak_memory_bytes"] / 2**30], [best.report["tokens_per_s"]], s=160, facecolors="none",
+        taken = best.report["peak_memory_bytes"] + best.report["device_overhead_bytes"]
+        ax.scatter([taken / 2**30], [best.report["tokens_per_s"]], s=160, facecolors="none",
                    edgecolors="black", linewidths=1.5, label="best: " + strategies.label(best.report["strategy_resolved"]))
     capacity = result.scenario.topology.device.memory_bytes / 2**30
     ax.axvline(capacity, color="black", linestyle="--", linewidth=1)
     ax.text(capacity, ax.get_ylim()[1], " device memory", va="top", fontsize=8)
     ax.set_xscale("log")
-    ax.set_xlabel("peak memory per device (GiB; pruned: lower bound)")
+    ax.set_xlabel("device memory taken (GiB: reserved peak + context + NCCL communicators; pruned: lower bound)")
     ax.set_ylabel("tokens/s (pruned: upper bound)")
     # simulated as the search counts them (its text and JSON's num_simulated): a candidate built
     # and rejected for its resident model states, or one whose graph failed, was simulated too,

@@ -71,6 +71,18 @@ def test_every_figure_draws(simulated, tmp_path):
         assert path.stat().st_size > 5000, name
     frame = frames.search_frame(result)
     assert len(frame) == len(result.rows)
+    # the landscape's memory is what the device holds: a simulated candidate fits exactly when
+    # its reserved peak plus the memory outside PyTorch stays within the capacity (less the
+    # headroom asked for), so the capacity line separates filled from hollow markers
+    spec, device = scenario.topology.spec, scenario.topology.device
+    sim = frame[frame["status"] == "simulated"]
+    taken = (sim["peak_memory_gib"] + sim["device_overhead_gib"]) * 2**30
+    room = device.memory_bytes - spec.min_memory_headroom_bytes
+    assert ((taken <= room * (1 + 1e-9)) == sim["fits_in_memory"].astype(bool)).all()
+    assert "NCCL communicators" in figures["landscape"].axes[0].get_xlabel()
+    ring = figures["landscape"].axes[0].collections[-1].get_offsets()[0][0]  # the best, ringed last
+    best = result.best.report
+    assert ring == pytest.approx((best["peak_memory_bytes"] + best["device_overhead_bytes"]) / 2**30)
     assert set(frame["status"]) <= {"invalid", "pruned_memory", "pruned_bound", "simulated", "rejected", "error",
                                     "skipped"}
 

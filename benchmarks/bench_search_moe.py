@@ -3,6 +3,7 @@
     python benchmarks/bench_search_moe.py                 # the branch-and-bound search (target <= 60 s)
     python benchmarks/bench_search_moe.py --plot out.png  # and the time --plot adds (target <= 10 s)
     python benchmarks/bench_search_moe.py --exhaustive    # also simulate every valid candidate (long)
+    python benchmarks/bench_search_moe.py --near-frontier # also simulate what was pruned near the answer
     python benchmarks/bench_search_moe.py --workers 1
 
 The default space of ``hzpsim search`` for this scenario: the ND layouts (TP x PP x VPP x EP x
@@ -57,9 +58,44 @@ def run(scenario, space, workers: int | None, exhaustive: bool = False) -> tuple
     return result, cpu_s() - start
 
 
+def near_frontier(scenario, result: S.SearchResult, workers: int | None, margin: float = 0.1) -> str:
+    """Simulate every candidate the search pruned near its answer: by the step-time bound within
+    ``margin`` of the top N's worst, by memory within ``margin`` of the room. Counts the bounds
+    above their simulation, the candidates that would have entered the top N or their family's
+    best, and the memory-pruned ones that fit (all 0 when the pruning was right there)."""
+    worst = max(r.report["step_time_s"] for r in result.ranked[:result.top_n])
+    device, spec = scenario.topology.device, scenario.topology.spec
+    room = device.memory_bytes - device.context_bytes - spec.min_memory_headroom_bytes
+    near = [r for r in result.rows if r.status == "pruned_bound" and r.bound.step_time_s < (1 + margin) * worst]
+    tight = [r for r in result.rows if r.status == "pruned_memory"
+             and r.bound.memory_bytes + r.bound.overhead_bytes < (1 + margin) * room]
+    runner = S.make_runner(None, workers)
+    try:
+        out = runner.map([(scenario, r.candidate) for r in near + tight])
+    finally:
+        runner.close()
+    above = entered = fits = 0
+    for row, res in zip(near + tight, out):
+        report = res.get("report")
+        if report is None:
+            continue
+        family = result.best_of(row.candidate.name)
+        if row.status == "pruned_bound":
+            above += row.bound.step_time_s > report["step_time_s"] * (1 + 1e-9)
+            entered += bool(report["fits_in_memory"]) and (
+                report["step_time_s"] < worst or family is None or report["step_time_s"] < family.report["step_time_s"])
+        else:
+            fits += bool(report["fits_in_memory"])
+    return (f"near the frontier: {len(near):,} pruned by the step-time bound within {margin:.0%} of the top "
+            f"{result.top_n}'s worst, {len(tight):,} by memory within {margin:.0%} of the room: bounds above the "
+            f"simulation {above}, would have entered {entered}, pruned by memory but fit {fits}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--exhaustive", action="store_true")
+    parser.add_argument("--near-frontier", action="store_true",
+                        help="also simulate the candidates pruned within 10 %% of the answer")
     parser.add_argument("--workers", type=int, default=None)
     parser.add_argument("--plot", metavar="FILE", help="also draw the search landscape and time it")
     parser.add_argument("--save", metavar="FILE", help="write the answers (JSON) here")
@@ -78,6 +114,9 @@ def main() -> int:
         start = time.perf_counter()
         plots.save(plots.search_landscape(fast), args.plot)
         print(f"{'':<12} --plot {time.perf_counter() - start:.1f} s", flush=True)
+    if args.near_frontier:
+        start = time.perf_counter()
+        print(f"{near_frontier(scenario, fast, args.workers)} ({time.perf_counter() - start:.0f} s)", flush=True)
     if args.exhaustive:
         slow, cpu = run(scenario, space, args.workers, exhaustive=True)
         print(line("exhaustive", slow, cpu), flush=True)

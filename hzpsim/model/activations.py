@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from hzpsim.model.checkpointing import (
     RECOMPUTE_MODES,
     RecomputeMode,
+    recomputed_norms,
     selective_modules,
     torchtitan_op_sac_recomputed_linears,
 )
@@ -103,15 +104,15 @@ def activation_terms_per_token(
     return terms
 
 
-def discarded_terms(model: Model, i: int, modules: frozenset[str], act_bytes: int = 2, eager: bool = False,
-                    moe_load: float = 1.0) -> dict[str, float]:
-    """Bytes per token of :func:`activation_terms_per_token`'s terms that selective recompute of
-    ``modules`` (``checkpointing.RECOMPUTE_MODULES``) does not keep, by term:
+def discarded_terms(model: Model, i: int, modules: frozenset[str], terms: dict[str, tuple[float, str]],
+                    act_bytes: int = 2, moe_load: float = 1.0) -> dict[str, float]:
+    """Bytes per token of layer ``i``'s ``terms`` (:func:`activation_terms_per_token` with these
+    ``act_bytes`` and ``moe_load``) that selective recompute of ``modules``
+    (``checkpointing.RECOMPUTE_MODULES``) does not keep:
 
-    - ``layernorm``: the outputs of the recomputed norms (``checkpointing.recomputed_norms``
-      says which):
-      an MoE layer's pre-MLP norm output (its router's and dispatcher's input, ``mlp_input``)
-      and MLA's input norm output (``attn_qkv_input``);
+    - ``layernorm``: the outputs of the recomputed norms (``checkpointing.recomputed_norms``):
+      an MoE layer's pre-MLP norm output (its router's and dispatcher's input) and MLA's input
+      norm output;
     - ``mla_up_proj``: the up-projected Q, K and V;
     - ``mlp``: a dense layer's MLP intermediates (its input stays, the checkpoint's);
     - ``moe``: everything inside the MoE layer (router probabilities, the routed copies and
@@ -119,7 +120,6 @@ def discarded_terms(model: Model, i: int, modules: frozenset[str], act_bytes: in
     - ``moe_act``: the routed experts' activation output (the fc2 input), one of their
       ``per_ffn`` intermediates;
     - ``shared_experts``: the shared experts' intermediates."""
-    terms = activation_terms_per_token(model, i, act_bytes, eager, moe_load)
     out: dict[str, float] = {}
     moe = model.moe is not None and model.is_moe_layer(i)
 
@@ -127,11 +127,8 @@ def discarded_terms(model: Model, i: int, modules: frozenset[str], act_bytes: in
         if name in terms:
             out[name] = max(out.get(name, 0.0), terms[name][0] if amount is None else amount)
 
-    if "layernorm" in modules:
-        if moe:
-            drop("mlp_input")
-        if model.mla is not None:
-            drop("attn_qkv_input")
+    for name in recomputed_norms(model, i, modules):
+        drop(name)
     if "mla_up_proj" in modules and model.mla is not None:
         for name in ("attn_q", "attn_k", "attn_v"):
             drop(name)
@@ -278,7 +275,7 @@ def activation_bytes_per_layer(
     whole = 0.0
     chosen = selective_modules(recompute, modules)
     terms = activation_terms_per_token(model, i, act_bytes, eager, moe_load)
-    for name, discarded in discarded_terms(model, i, chosen, act_bytes, eager, moe_load).items():
+    for name, discarded in discarded_terms(model, i, chosen, terms, act_bytes, moe_load).items():
         per_token, kind = terms[name]
         terms[name] = (per_token - discarded, kind)
     for name, (per_token, kind) in terms.items():

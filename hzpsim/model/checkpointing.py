@@ -72,13 +72,14 @@ def check_modules(model: Model, modules: tuple[str, ...] | None) -> None:
                              "MoE layer (use 'moe' or 'moe_act')")
 
 
-def recomputed_norms(model: Model, i: int, modules: frozenset[str]) -> int:
-    """How many of layer ``i``'s two norms ``layernorm`` recompute discards and runs again: the
-    pre-MLP norm of an MoE layer and, with MLA, the input norm (the Transformer Engine spec
-    fuses the others into the linear after them, ``gpt_layer_specs.py``)."""
+def recomputed_norms(model: Model, i: int, modules: frozenset[str]) -> tuple[str, ...]:
+    """The norm outputs of layer ``i`` that ``layernorm`` recompute discards and runs again, as
+    ``activations.activation_terms_per_token`` names them: the pre-MLP norm's (``mlp_input``) in
+    an MoE layer and, with MLA, the input norm's (``attn_qkv_input``); the Transformer Engine
+    spec fuses the others into the linear after them (``gpt_layer_specs.py``)."""
     if "layernorm" not in modules:
-        return 0
-    return int(model.is_moe_layer(i)) + int(model.mla is not None)
+        return ()
+    return (("mlp_input",) if model.is_moe_layer(i) else ()) + (("attn_qkv_input",) if model.mla is not None else ())
 
 
 def mla_up_projections(model: Model) -> list[tuple[int, int, str]]:

@@ -520,6 +520,14 @@ class BoundCache:
             table = self._tables[name] = {}
         return table
 
+    def expert_units(self, unit_costs: list[UnitCost]) -> list[UnitCost]:
+        """``unit_costs`` with their experts as their parameters (:meth:`UnitCost.experts_as_dense`),
+        for :meth:`dp_units` over the expert-data-parallel group."""
+        table = self.table("expert_units")
+        if id(unit_costs) not in table:  # keep the list alive: its id is the key
+            table[id(unit_costs)] = (unit_costs, [u.experts_as_dense() for u in unit_costs])
+        return table[id(unit_costs)][1]
+
     def sharded_demand(self, costs: Costs, params: Sequence[float], m: int, sizes: tuple[int, int, int],
                        dp_group: Sequence[int], training, schedule: Schedule) -> dict[str, float]:
         # with experts, the dense step-end gather may start before the experts' optimizer ends

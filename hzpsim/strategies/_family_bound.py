@@ -84,8 +84,7 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
     expert_units: list = []
     if expert and expert_sizes != (1, 1, 1):  # the experts' own collectives (DPUnit.with_experts)
         expert_group = tuple(expert_placement(n, deg.ep, deg.etp).group("edp", 0))
-        expert_units = bounder.table("family.expert_units").setdefault(
-            id(unit_costs), (unit_costs, [u.experts_as_dense() for u in unit_costs]))[1]
+        expert_units = bounder.expert_units(unit_costs)
         experts = bounder.dp_units(costs, expert_units, 0, num, expert_sizes, expert_group, training, schedule)
         dpu = [d.with_experts(e) for d, e in zip(dpu, experts)]
     compressed_demand = None

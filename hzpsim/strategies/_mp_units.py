@@ -333,7 +333,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
                 backward_shapes += mlp_gemms
                 backward_traffic += by_term.get("activation_fn", 0.0) * local
             # the recomputed norms: each half the layer's norm traffic (two norms)
-            backward_traffic += recomputed_norms(model, i, chosen) * by_term["norms"] / 2 * local
+            backward_traffic += len(recomputed_norms(model, i, chosen)) * by_term["norms"] / 2 * local
         elif mode == "op":  # per-op SAC: the linears not saved and every memory-bound kernel
             redo = model.op_sac_recomputed_linears(i, float8=float8)
             backward_shapes += [*linear_gemms(redo["attention"], local, t), *linear_gemms(redo["mlp"], local, t), *attn_scores]

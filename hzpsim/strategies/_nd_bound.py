@@ -104,8 +104,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
         # rank's expert ShardedParams uses) and the units with their experts as their parameters
         placement = expert_placement(n, cfg.ep, cfg.etp, p)
         expert_groups = [tuple(placement.group("edp", s * block)) for s in range(p)]
-        expert_units = bounder.table("nd.expert_units").setdefault(
-            id(unit_costs), (unit_costs, [u.experts_as_dense() for u in unit_costs]))[1]
+        expert_units = bounder.expert_units(unit_costs)
     last = _last_action(bounder, p, v, m)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
     wait_all = not schedule.effective_overlap_grad_reduce
@@ -290,8 +289,9 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
         whole = whole_buffer_s(costs, sum(params), sizes, dp_group, training, schedule)
         if moe and expert_sizes != (1, 1, 1):  # the experts' (their step-end gather left out, as the dense one's)
             expert_params = tuple(unit_costs[u].expert_params for j in vstages for u in range(*spans[j]))
-            demand = _summed(demand, bounder.sharded_demand(costs, expert_params, m, expert_sizes, expert_groups[s],
-                                                            training, plain))
+            for level, b in bounder.sharded_demand(costs, expert_params, m, expert_sizes, expert_groups[s],
+                                                   training, plain).items():
+                demand[level] = demand.get(level, 0.0) + b
         streams = {
             "ag": per_step * sum(d.gather_fwd + d.gather_bwd for d in dpu),
             "rs": per_step * sum(d.reduce + d.expert_reduce for d in dpu),
@@ -311,10 +311,6 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     sizes_held = (n, cfg.tp, cfg.cp, cfg.ep if moe else 1, dense_dp, expert_dp if moe else 1)
     overhead = topology.device.communicator_bytes * communicators_at_least(sizes_held, 1 if p > 1 and n > 2 else 0)
     return Bound(step, w, tk, max(0.0, chain - w - exp), memory, window, window > chain, exp, overhead)
-
-
-def _summed(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
-    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {*a, *b}}
 
 
 def _drain(bodies: list[float], last_pass: list[float], backs: list[float], drains: bool) -> list[float]:

@@ -440,3 +440,30 @@ def test_model_methods_are_the_split_modules_functions(name):
     assert m.layer_kernels_forward(last, backward=True) == dispatch.layer_kernels_forward(m, last, backward=True)
     assert m.layer_kernels_fused(last) == dispatch.layer_kernels_fused(m, last) > 0
     assert m.norm_ops() == dispatch.norm_ops(m)
+
+
+# --------------------------------------------------------------------------- layer kinds
+@pytest.mark.parametrize("name", PRESETS)
+def test_layers_of_one_kind_are_alike_in_every_per_layer_quantity(name):
+    """``Model.layer_kind`` names what sets a layer's per-layer quantities, and the unit
+    builders compute one layer of each kind (``_mp_units.mp_units``): two layers of one kind
+    must agree in every per-layer method, or a model that varies layers another way (per-layer
+    attention windows, say) gets the first layer's costs for all of them."""
+    from hzpsim.model import activations, checkpointing, dispatch
+
+    model = load(name)
+    per_layer = [
+        model.layer_linears, model.layer_tensors, model.layer_params, model.layer_active_params,
+        model.layer_matmul_params_active, lambda i: model.layer_forward_flops(i, 4096),
+        lambda i: activations.elementwise_bytes_per_token(model, i),
+        lambda i: model.activation_bytes_per_layer(i, 1, tp=2, sequence_parallel=True, recompute="selective"),
+        lambda i: dispatch.layer_kernels_forward(model, i), lambda i: dispatch.layer_kernels_fused(model, i),
+        lambda i: checkpointing.recompute_forward_flops(model, i, 4096, "full"),
+    ]
+    first: dict = {}
+    for i in range(model.num_layers):
+        values = [f(i) for f in per_layer]
+        first.setdefault(model.layer_kind(i), (i, values))
+        j, expected = first[model.layer_kind(i)]
+        assert values == expected, f"{name}: layers {j} and {i} are of one kind but differ"
+    assert len(first) == (1 if model.moe is None or model.num_moe_layers in (0, model.num_layers) else 2)

@@ -3,7 +3,7 @@ a module docstring (its first line is the ``hzpsim list strategies`` summary), `
 ``check`` / ``build``, an optional ``label(resolved) -> str``, the optimizer contract the
 report relies on (every simulated rank runs, in every step s, an op of category ``optimizer``
 tagged ``step=s``; the latest one's end closes the step), and the optional search hooks
-(``SEARCH_RANK``, ``layouts``, ``search_check``, ``bound``, ``refine_bound``): what the built-in
+(``SEARCH_RANK``, ``layouts``, ``search_check``, ``quick_bound``, ``bound``, ``refine_bound``): what the built-in
 ones return, and that a plugin without them is searched all the same."""
 
 from __future__ import annotations
@@ -86,8 +86,9 @@ def _tiny_search_space():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_search_hooks_return_what_the_search_expects(name):
-    """``SEARCH_RANK`` an int; ``layouts`` a list of dicts of Config fields; ``bound`` and
-    ``refine_bound`` a ``strategies.Bound`` (for the layouts that pass ``check``)."""
+    """``SEARCH_RANK`` an int; ``layouts`` a list of dicts of Config fields; ``quick_bound``,
+    ``bound`` and ``refine_bound`` a ``strategies.Bound`` (for the layouts that pass ``check``),
+    each at least the one before."""
     from hzpsim import search as S
 
     plugin = strategies.get(name)
@@ -100,9 +101,14 @@ def test_search_hooks_return_what_the_search_expects(name):
     valid = [c for c in S.enumerate_candidates(sc, [name], space) if S.check(sc, c) is None]
     assert valid, f"{name}: no layout of the tiny search space passes check"
     for candidate in valid[:4]:
+        levels = [bounder.at(candidate, level) for level in range(len(bounder.hooks(candidate)))]
         b, refined = bounder(candidate), bounder(candidate, refine=True)
-        assert isinstance(b, strategies.Bound) and isinstance(refined, strategies.Bound)
+        assert all(isinstance(x, strategies.Bound) for x in [b, refined, *levels])
         assert 0 <= b.step_time_s <= refined.step_time_s and b.memory_bytes >= 0
+        # each hook at least the one before it (bounding.LEVELS: the search tightens in that order)
+        for looser, tighter in zip(levels, levels[1:]):
+            assert looser.step_time_s <= tighter.step_time_s * (1 + 1e-12), (candidate.label(), looser, tighter)
+            assert looser.memory_bytes <= tighter.memory_bytes * (1 + 1e-12), (candidate.label(), looser, tighter)
 
 
 def _bare_plugin() -> types.ModuleType:

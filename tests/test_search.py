@@ -77,6 +77,9 @@ def _check_bounds(scenario, candidates):
             continue
         b, report = bounder(candidate), result["report"]
         assert b.step_time_s <= report["step_time_s"] * (1 + 1e-9), (candidate.label(), b, report["step_time_s"])
+        quick = bounder.at(candidate, 0)  # what the search computes for every candidate
+        assert quick.step_time_s <= b.step_time_s * (1 + 1e-12), (candidate.label(), quick, b)
+        assert quick.memory_bytes <= report["peak_memory_allocated_bytes"] * (1 + 1e-9), (candidate.label(), quick)
         refined = bounder(candidate, refine=True)  # what the search computes before simulating
         assert b.step_time_s <= refined.step_time_s <= report["step_time_s"] * (1 + 1e-9), (candidate.label(), refined)
         b = refined

@@ -24,6 +24,7 @@ Conventions (one transformer layer = pre-norm attention block + pre-norm MLP/MoE
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -269,6 +270,14 @@ class Model:
         if self.moe is None or i < self.moe.first_dense_layers:
             return False
         return (i - self.moe.first_dense_layers) % self.moe.moe_layer_interval == 0
+
+    def layer_kind(self, i: int) -> Hashable:
+        """What sets every per-layer quantity of layer ``i`` (its parameters, linears, stored
+        activations, memory-bound bytes and kernels): two layers of one kind differ only in
+        their index, so a per-layer cost computed for one serves the other. Today the only
+        per-layer difference is dense MLP versus MoE block; a model with another (per-layer
+        attention windows, say) adds it here."""
+        return self.is_moe_layer(i)
 
     @property
     def num_moe_layers(self) -> int:

@@ -15,18 +15,21 @@ bound, exactly:
 
 1. every candidate is checked by its plugin (``check``, and ``search_check``: layouts that
    cannot run or are not searched are *invalid*);
-2. two cheap analytic bounds (the plugin's ``bound``), no graph built: a lower bound on peak
-   memory (resident model states plus the activations a schedule must hold before its first
-   backward) and a lower bound on step time (the step's dependency chain replayed at the least
-   durations the engine can give its ops, stragglers' expected waits included, and the time
-   the rank must spend talking). A candidate whose memory bound exceeds the device is
-   *pruned (memory)*;
-3. the rest are simulated in order of their step-time bound, in fixed batches, and a candidate
-   whose bound exceeds both the N-th best fitting step time found so far and its family's best
-   is *pruned (bound)*: it can enter neither the top N nor its family's best. A candidate whose
-   bound passes gets its plugin's refined one first (``refine_bound``, where there is one: the
-   ND pipeline replayed, every stage's schedule micro-batch by micro-batch against the
-   others'), which may still prune it.
+2. two cheap analytic bounds, no graph built: a lower bound on peak memory (resident model
+   states plus the activations a schedule must hold before its first backward) and a lower
+   bound on step time (the step's dependency chain replayed at the least durations the engine
+   can give its ops, stragglers' expected waits included, and the time the rank must spend
+   talking). Every candidate gets its plugin's cheapest bound hook (``quick_bound`` where it
+   has one, else ``bound``). A candidate whose memory bound exceeds the device is *pruned
+   (memory)*;
+3. the rest are taken best bound first, in fixed batches, and a candidate whose bound exceeds
+   both the N-th best fitting step time found so far and its family's best is *pruned
+   (bound)*: it can enter neither the top N nor its family's best. A candidate whose bound
+   passes gets its plugin's next, tighter hook first (``quick_bound`` → ``bound`` →
+   ``refine_bound``: the ND pipeline replayed, every stage's schedule micro-batch by
+   micro-batch against the others') and goes back in its place by the tighter bound; it is
+   simulated when it comes up with its tightest. So the candidates are simulated in the order
+   of their tightest bounds, and most of the space is pruned on the cheapest one.
 
 Both bounds are tested against simulated values (``tests/test_search.py``), and the search's
 answers against an exhaustive simulation of the same space. Batches are fixed, so the same

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 import sys
 import time
@@ -31,6 +32,7 @@ class Row:
     reason: str = ""
     bound: Bound | None = None
     report: dict[str, Any] | None = None
+    level: int = 0  # which of its plugin's bound hooks gave ``bound`` (bounding.LEVELS)
 
     @property
     def feasible(self) -> bool:
@@ -150,8 +152,12 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
         if reason is not None:
             rows.append(Row(candidate, "invalid", reason))
             continue
-        b = bounder(candidate)
-        row = Row(candidate, "alive", bound=b)
+        # every candidate gets its plugin's cheapest bound (exhaustive: the plugin's bound, as
+        # reported); the tighter ones only when it comes up for simulation
+        hooks = bounder.hooks(candidate)
+        level = hooks.index("bound") if exhaustive and "bound" in hooks else 0
+        b = bounder.at(candidate, level)
+        row = Row(candidate, "alive", bound=b, level=level)
         rows.append(row)
         if b.memory_bytes + b.overhead_bytes > room and not exhaustive:
             row.status = "pruned_memory"
@@ -160,7 +166,11 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
                           + f" of {capacity / 2**30:.1f} GiB")
             continue
         alive.append(row)
-    alive.sort(key=lambda r: (r.bound.step_time_s, r.candidate.key))  # type: ignore[union-attr]
+    # best first by the bound so far; a candidate whose turn comes with a looser bound than its
+    # plugin's tightest gets the next one and goes back in its place, so the candidates are
+    # simulated in the order of their tightest bounds, and those never reached keep a cheap one
+    queue = [(r.bound.step_time_s, r.candidate.key, i) for i, r in enumerate(alive)]  # type: ignore[union-attr]
+    heapq.heapify(queue)
     if first is not None:
         first.close()
 
@@ -169,19 +179,19 @@ def search(scenario: Scenario, families: Sequence[str] | None = None, top: int =
     evals = 0
     exact = True
     bar = _progress(len(alive), progress, "hzpsim search: simulating")
-    i = 0
     try:
-        while i < len(alive):
+        while queue:
             batch: list[Row] = []
-            while i < len(alive) and len(batch) < BATCH:
-                row = alive[i]
-                i += 1
-                lb = row.bound.step_time_s  # type: ignore[union-attr]
+            while queue and len(batch) < BATCH:
+                lb, key, index = heapq.heappop(queue)
+                row = alive[index]
                 threshold = max(feasible_steps[top - 1] if len(feasible_steps) >= top else math.inf,
                                 family_best.get(row.candidate.name, math.inf))
-                if not exhaustive and lb <= threshold and bounder.refines(row.candidate):
-                    row.bound = bounder(row.candidate, refine=True)  # worth it for the few about to run
-                    lb = row.bound.step_time_s
+                if not exhaustive and lb <= threshold and row.level + 1 < len(bounder.hooks(row.candidate)):
+                    row.level += 1  # worth it for the few that come up
+                    row.bound = bounder.at(row.candidate, row.level)
+                    heapq.heappush(queue, (max(lb, row.bound.step_time_s), key, index))
+                    continue
                 if exhaustive or lb <= threshold:
                     if max_evals is not None and evals >= max_evals:
                         row.status, row.reason = "skipped", "not evaluated (--max-evals)"

@@ -29,7 +29,10 @@ What ``hzpsim search`` asks of a plugin, all optional (docs/adding-a-strategy.md
   that is not below the simulation makes the search prune what it should not: test it
   (``tests/test_search.py``). Without it: ``Bound()`` (zero), so every layout is simulated;
 - ``refine_bound(config, model, training, topology, cache) -> Bound``: a tighter, slower bound,
-  computed only for the candidates the search is about to simulate.
+  computed only for the candidates the search is about to simulate;
+- ``quick_bound(config, model, training, topology, cache) -> Bound``: a looser, faster one (at
+  most ``bound``'s step time and memory), which the search computes for every candidate,
+  computing ``bound`` only for those that come up (``search.bounding.LEVELS``).
 
 Adding a strategy means adding a module; nothing here lists them. Modules whose name starts
 with an underscore hold shared emitters and are not strategies.

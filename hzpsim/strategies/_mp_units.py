@@ -7,7 +7,8 @@ layer is described in ``_model_parallel``'s docstring."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
@@ -250,7 +251,12 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
         attn_core = []
         attn_scores = [Gemm(model.seq_len / c, model.seq_len, d_qk, 1.0, heads),
                        Gemm(model.seq_len / c, d_v, model.seq_len, 1.0, heads)]  # one batched kernel each
+    alike: dict[Hashable, MPUnit] = {}  # a layer of each kind (Model.layer_kind): the others are alike
     for i in range(model.num_layers):
+        layer_kind = model.layer_kind(i)
+        if layer_kind in alike:
+            units.append(dataclasses.replace(alike[layer_kind], name=f"layer{i}"))
+            continue
         linears = model.layer_linears(i)
         attn_gemms = linear_gemms(linears["attention"], local, t)
         stored = model.activation_bytes_per_layer(
@@ -389,6 +395,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             # (all-to-all, DeepEP) or the gathered tokens (all-gather), before the exchange
             forward_temps=(_moe.send_buffer_bytes(model, sp_tokens, act, deg),) if moe and ep_bytes else (),
         ))
+        alike[layer_kind] = units[-1]
     head_gemm = Gemm(local, vocab / t, h)
     # The loss, kernel by kernel per logit [INF]: the GEMM writes bf16 logits (2 bytes), the
     # cast to fp32 reads 2 and writes 4, log-softmax reads 4 and writes 4 (kept for the

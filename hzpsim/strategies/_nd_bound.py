@@ -55,7 +55,7 @@ def _last_action(bounder: BoundCache, p: int, v: int, m: int) -> tuple[str, int,
     return table[key]
 
 
-def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> Bound:
+def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quick: bool = False) -> Bound:
     """The bounds of the ND layout ``cfg`` (``nd.bound``, and with ``refine`` ``nd.refine_bound``:
     the whole pipeline replayed too, what is too slow to compute for every candidate)."""
     topology = bounder.topology
@@ -142,6 +142,16 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     # pipeline's sends are not rendezvous, a tied embedding's group has two ranks)
     least = [m * sum(run_sum("kernels_s", c * p + s) for c in range(v)) + opt_lo[s] for s in range(p)]
     norm += persistent_norm_s(costs, n, max(*groups, 2), least)
+    # the communicators every rank holds: the world's (the gradient norm), TP, CP, EP, the dense
+    # and expert data-parallel groups, and at least one pipeline neighbour
+    sizes_held = (n, cfg.tp, cfg.cp, cfg.ep if moe else 1, dense_dp, expert_dp if moe else 1)
+    overhead = topology.device.communicator_bytes * communicators_at_least(sizes_held, 1 if p > 1 and n > 2 else 0)
+    if quick:
+        # the talking window below without its data-parallel terms: slowed(K, T, sd, E) >= K + E,
+        # and heads, exposed >= 0
+        critical = max(range(p), key=lambda s: (work[s] - idle[s] + 2 * opt_lo[s] - early[s], -s))
+        q = work[critical] - idle[critical] + 2 * opt_lo[critical] - early[critical] - max_up + norm
+        return Bound(max(q, 0.0), work[critical], talk[critical], 0.0, memory, overhead_bytes=overhead)
 
     # the chain: fill (chunk 0 of micro-batch 0 through the stages, each behind its own step-end
     # gathers), each stage's own work, drain (chunk 0 of the last micro-batch back), reductions
@@ -306,10 +316,6 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False) -> B
     step = max(chain, window, 0.0)
     w, tk = work[critical], talk[critical]
     exp = tails[critical] + norm + heads[critical]
-    # the communicators every rank holds: the world's (the gradient norm), TP, CP, EP, the dense
-    # and expert data-parallel groups, and at least one pipeline neighbour
-    sizes_held = (n, cfg.tp, cfg.cp, cfg.ep if moe else 1, dense_dp, expert_dp if moe else 1)
-    overhead = topology.device.communicator_bytes * communicators_at_least(sizes_held, 1 if p > 1 and n > 2 else 0)
     return Bound(step, w, tk, max(0.0, chain - w - exp), memory, window, window > chain, exp, overhead)
 
 

@@ -137,6 +137,15 @@ def search_check(config: Config, model: Model, training: Training, topology: Top
         raise ValueError(f"vpp: {len(layers)} virtual stages for {model.num_layers} layers leave a stage empty")
 
 
+def quick_bound(config: Config, model: Model, training: Training, topology: Topology, cache: BoundCache) -> Bound:
+    """:func:`bound`'s memory, and a looser step time that needs no data-parallel collective:
+    each stage's work, optimizer and gradient norm (``_nd_bound``, ``quick``). The search
+    bounds every candidate with it and computes :func:`bound` only for those that come up."""
+    from hzpsim.strategies import _nd_bound
+
+    return _nd_bound.nd_bound(cache, config, training, quick=True)
+
+
 def bound(config: Config, model: Model, training: Training, topology: Topology, cache: BoundCache) -> Bound:
     """Lower bounds on this layout's step time and peak memory (``_nd_bound``): the pipeline's
     fill, each stage's work and the drain, at least durations."""

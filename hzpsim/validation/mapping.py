@@ -366,7 +366,8 @@ def _map_moe(row: dict[str, Any], strategy: dict[str, Any], assumptions: list[st
     overlap compute (``moe_ep_overlap``: ``--overlap-moe-expert-parallel-comm``, DualPipe), and
     whether the experts run as grouped GEMMs (``moe_grouped_gemm``: ``--moe-grouped-gemm``) and
     the permutation fused (``moe_permute_fusion``: ``--moe-permute-fusion``), each ``true`` or
-    ``false``. Blank cells leave the implementation profile's defaults."""
+    ``false``, and the experts' tensor-parallel size (``etp``: ``--expert-tensor-parallel-size``).
+    Blank cells leave the implementation profile's defaults."""
     dispatcher = cell_text(row, "moe_dispatcher").lower()
     if dispatcher and strategy.get("ep", 1) > 1:
         if dispatcher not in ("alltoall", "allgather", "deepep"):
@@ -374,6 +375,12 @@ def _map_moe(row: dict[str, Any], strategy: dict[str, Any], assumptions: list[st
         strategy["moe_dispatcher"] = dispatcher
     if cell_text(row, "moe_ep_overlap").lower() == "true" and strategy.get("ep", 1) > 1:
         strategy["moe_ep_overlap"] = True
+    if cell_text(row, "etp") and whole(row, "moe_experts"):
+        etp = whole(row, "etp")
+        if etp is None or etp < 1:
+            raise RowSkipped(f"etp: {cell_text(row, 'etp')!r} is not a positive whole number")
+        if etp > 1:
+            strategy["etp"] = etp
     stated_keys = [k for k in ("moe_grouped_gemm", "moe_permute_fusion") if cell_text(row, k)]
     if not stated_keys or not whole(row, "moe_experts"):
         return

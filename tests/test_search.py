@@ -215,6 +215,14 @@ def test_search_equals_exhaustive_simulation():
     assert a["num_simulated"] < b["num_simulated"] / 2
     assert a["num_candidates"] == b["num_candidates"]
     assert a["num_pruned"] > 0
+    # bound levels: every simulated ND candidate came up with its tightest (refine_bound), some
+    # were pruned on the quick one, and the text says which bound pruned them
+    nd = [r for r in fast.rows if r.candidate.name == "nd"]
+    assert all(r.level == 2 for r in nd if r.status in ("simulated", "rejected"))
+    quick = [r for r in nd if r.status == "pruned_bound" and r.level == 0]
+    assert quick and all(r.bound is not None and r.bound.quick for r in quick)
+    assert "quick bound" in S.format_search(fast)
+    assert all(r.level == 1 for r in slow.rows if r.candidate.name == "nd" and r.bound is not None)
 
 
 def test_search_is_deterministic_and_workers_do_not_change_it():

@@ -58,10 +58,15 @@ class Bound:
     # device memory outside PyTorch's allocator the layout certainly holds beyond the driver's
     # context: NCCL communicators (communicators_at_least), which fits_in_memory counts too
     overhead_bytes: float = 0.0
+    # a plugin's quick_bound: the ranks' own work only (search.bounding.LEVELS), which cannot
+    # tell a bubble or exposed data-parallel talking from the work
+    quick: bool = False
 
     @property
     def limited_by(self) -> str:
         """What makes this candidate slow, by its bound."""
+        if self.quick:
+            return "its work alone (kernels, TP/EP exchanges, optimizer; quick bound)"
         if self.link_limited:
             return "communication (bytes on the links)"
         if self.bubble_s > max(self.comm_s, self.exposed_s) and self.bubble_s > 0.02 * self.step_time_s:

@@ -151,7 +151,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
         # and heads, exposed >= 0
         critical = max(range(p), key=lambda s: (work[s] - idle[s] + 2 * opt_lo[s] - early[s], -s))
         q = work[critical] - idle[critical] + 2 * opt_lo[critical] - early[critical] - max_up + norm
-        return Bound(max(q, 0.0), work[critical], talk[critical], 0.0, memory, overhead_bytes=overhead)
+        return Bound(max(q, 0.0), work[critical], talk[critical], 0.0, memory, overhead_bytes=overhead, quick=True)
 
     # the chain: fill (chunk 0 of micro-batch 0 through the stages, each behind its own step-end
     # gathers), each stage's own work, drain (chunk 0 of the last micro-batch back), reductions

@@ -37,10 +37,6 @@ class Bounder:
             self._hooks[name] = tuple(h for h in LEVELS if hasattr(plugin, h))
         return self._hooks[name]
 
-    def refines(self, candidate: Candidate) -> bool:
-        """Whether the candidate's plugin has a refined bound (worth it just before simulating)."""
-        return "refine_bound" in self.hooks(candidate)
-
     def at(self, candidate: Candidate, level: int) -> Bound:
         """The bounds of the candidate's ``level``-th hook (:meth:`hooks`); ``Bound()`` without hooks."""
         hooks = self.hooks(candidate)

@@ -57,7 +57,9 @@ def _last_action(bounder: BoundCache, p: int, v: int, m: int) -> tuple[str, int,
 
 def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quick: bool = False) -> Bound:
     """The bounds of the ND layout ``cfg`` (``nd.bound``, and with ``refine`` ``nd.refine_bound``:
-    the whole pipeline replayed too, what is too slow to compute for every candidate)."""
+    the whole pipeline replayed too, what is too slow to compute for every candidate; with
+    ``quick`` ``nd.quick_bound``: the same memory, and the talking window's step time without
+    any data-parallel unit costed)."""
     topology = bounder.topology
     training = training_as_simulated(cfg, training, topology.device)  # as build runs it
     n = topology.num_devices

@@ -7,6 +7,7 @@ import math
 
 import pytest
 
+from hzpsim import strategies
 from hzpsim.cli import main
 from hzpsim.run import run_choice
 from hzpsim.scenario import scenario_from_mapping
@@ -135,6 +136,44 @@ def test_megatron_core_defaults_to_its_allgather_dispatcher_and_nemo_recipes_to_
     assert {o.collective for o in graph.ops if o.category == "ep_dispatch"} == {"all_to_all"}
     r = report(bridge)
     assert r["strategy_resolved"]["moe_dispatcher"] == "alltoall"
+
+
+def test_megatron_core_shards_experts_over_tp_unless_told_and_the_recipes_do_not():
+    """Megatron-Core's ModelParallelConfig sets an unset expert_tensor_parallel_size to the TP
+    size; the Megatron-Bridge MoE recipes set 1. ``strategy_resolved`` and the label say which,
+    and an explicit ``etp`` wins."""
+    def run(**strategy):
+        sc = scenario_from_mapping({
+            "model": "tiny-moe", "training": {"global_batch_size": 32},
+            "cluster": {"preset": "dgx-h100", "num_nodes": 1},
+            "strategy": {"name": "nd", "tp": 2, "ep": 2, "sequence_parallel": True, **strategy}})
+        graph = nd.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
+        return report(sc), {o.category for o in graph.ops}
+
+    core, core_ops = run()
+    bridge, bridge_ops = run(implementation="megatron-bridge")
+    told, told_ops = run(etp=1)
+    assert core["strategy_resolved"]["etp"] == 2 and "etp" in core_ops
+    assert bridge["strategy_resolved"]["etp"] == 1 and "etp" not in bridge_ops
+    assert told["strategy_resolved"]["etp"] == 1 and "etp" not in told_ops
+    # the experts' weights split over the expert-TP group: fewer parameter bytes per rank
+    assert core["memory_breakdown_bytes"]["params"] < told["memory_breakdown_bytes"]["params"]
+    labels = [strategies.label(r["strategy_resolved"]) for r in (core, told, bridge)]
+    assert "etp" not in labels[0] and "etp=1" in labels[1] and "etp" not in labels[2], labels
+
+
+def test_the_search_writes_the_experts_tp_out_for_moe_models_only():
+    from hzpsim.search.space import Space
+
+    moe = scenario_from_mapping({"model": "tiny-moe", "training": {"global_batch_size": 32},
+                                 "cluster": {"preset": "dgx-h100", "num_nodes": 1}, "strategy": {"name": "nd"}})
+    dense = scenario_from_mapping({"model": "tiny-dense", "training": {"global_batch_size": 32},
+                                   "cluster": {"preset": "dgx-h100", "num_nodes": 1}, "strategy": {"name": "nd"}})
+    space = Space(tp=(1, 2), pp=(1,), vpp=(1,), ep=(1, 2), zero_stage=(1,), sequence_parallel=(True,))
+    assert {f["etp"] for f in nd.layouts(moe.model, moe.training, moe.topology, space)} == {1}
+    wider = Space(**{**space.__dict__, "etp": (1, 2)})
+    assert {f["etp"] for f in nd.layouts(moe.model, moe.training, moe.topology, wider)} == {1, 2}
+    assert all("etp" not in f for f in nd.layouts(dense.model, dense.training, dense.topology, space))
 
 
 @pytest.mark.parametrize("strategy, model, key", [

@@ -201,16 +201,20 @@ def test_moe_rows_state_grouped_gemm_and_permute_fusion(cases):
 
 def test_moe_rows_state_expert_tensor_parallelism(cases):
     """A row's ``etp`` (Megatron-Core ``--expert-tensor-parallel-size``) reaches the ND strategy;
-    blank or 1 keeps the strategy's default (1); anything but a positive whole number skips the
+    blank keeps the implementation's default; anything but a positive whole number skips the
     row naming the column. S11's Grok-1 GB200 runs state ETP 4 (their README's ETP column)."""
     moe = dict(system="Megatron-Core", strategy_family="nd", model_name="Mixtral-8x7B", moe_experts=8.0,
                moe_topk=2.0, ep=2.0, tp=2.0, dp=8.0, zero_stage=None, sharding_group=None)
     assert case_from_row(_row(**moe, etp="2"), 0).scenario_mapping["strategy"]["etp"] == 2
     assert "etp" not in case_from_row(_row(**moe), 1).scenario_mapping["strategy"]
-    assert "etp" not in case_from_row(_row(**moe, etp="1"), 2).scenario_mapping["strategy"]
+    # a stated 1 is written out: Megatron-Core's own default is the TP size
+    assert case_from_row(_row(**moe, etp="1"), 2).scenario_mapping["strategy"]["etp"] == 1
     assert case_from_row(_row(**moe, etp="0"), 3).skip_reason == "etp: '0' is not a positive whole number"
     grok = [c for c in cases if c.source_id == "S11" and c.row_index in (209, 210, 211)]
     assert len(grok) == 3 and all(c.scenario_mapping["strategy"]["etp"] == 4 for c in grok)
+    # the ModelZoo's long-context Qwen3-235B runs (TP 4, megatron-core) state ETP 1 via its config
+    zoo = [c for c in cases if c.source_id == "S21" and 218 <= c.row_index <= 225]
+    assert len(zoo) == 8 and all(c.scenario_mapping["strategy"]["etp"] == 1 for c in zoo)
 
 def test_parse_inter_node():
     assert parse_inter_node("1600 Gbps node-to-node RoCE", 8) == pytest.approx(25e9)

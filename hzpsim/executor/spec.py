@@ -190,7 +190,7 @@ def _layout_of(name: str, config: Any) -> tuple[str, Layout]:
     if name == "hsdp":
         return "hsdp", Layout(shard_group_size=get("shard_group_size") or 0)
     if name == "nd":
-        if get("cp", 1) != 1 or get("ep", 1) != 1 or get("etp", 1) != 1:
+        if get("cp", 1) != 1 or get("ep", 1) != 1 or get("etp") not in (None, 1, get("tp", 1)):
             raise ScenarioError("strategy: the executor's ND runs tp, pp, vpp and dp only (no cp/ep)")
         if get("sharding_stage", 0) != 0:  # zero_stage, or the implementation's default when unset
             raise ScenarioError("strategy.zero_stage: the executor's ND runs plain data parallelism (0)")

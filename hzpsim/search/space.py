@@ -36,6 +36,7 @@ class Space:
     vpp: tuple[int, ...] = (1, 2, 3, 4)
     cp: tuple[int, ...] = (1,)
     ep: tuple[int, ...] = (1,)
+    etp: tuple[int, ...] = (1,)  # experts' tensor-parallel sizes (MoE models, with ep)
     zero_stage: tuple[int, ...] = (0, 1, 2, 3)
     sequence_parallel: tuple[bool, ...] = (False, True)
     micro_batch_size: tuple[int, ...] = (1, 2, 4)

@@ -110,8 +110,9 @@ def as_simulated(config: Any) -> Any:
     (``_implementations.Implementation``): a profile that forces the gradient-reduction overlap
     on or off (``grad_reduce_overlap``: Megatron 2021 reduces after the backward) sets
     ``overlap_grad_reduce``, and one that keeps fewer gathers in flight (``max_prefetch_depth``)
-    caps ``prefetch_depth``; an unset ``moe_dispatcher`` is the profile's, and an unset ``zero_stage``
-    the profile's (``distributed_optimizer``: 1, else 0). The simulation reads them through the profile already
+    caps ``prefetch_depth``; an unset ``moe_dispatcher`` is the profile's, an unset ``etp`` the
+    profile's (``expert_tp_is_tp``: ``tp``, else 1), and an unset ``zero_stage`` the profile's
+    (``distributed_optimizer``: 1, else 0). The simulation reads them through the profile already
     (``_sharded.Schedule.effective_*``), so this changes what ``strategy_resolved`` says, not
     what is simulated."""
     from hzpsim.strategies import _implementations
@@ -131,6 +132,8 @@ def as_simulated(config: Any) -> Any:
         changes["moe_grouped_gemm"] = profile.moe_grouped_gemm
     if "moe_permute_fusion" in fields and plugin_config.moe_permute_fusion is None:
         changes["moe_permute_fusion"] = profile.moe_permute_fusion
+    if "etp" in fields and plugin_config.etp is None:  # nd: the framework's default (Megatron-Core: tp)
+        changes["etp"] = plugin_config.tp if profile.expert_tp_is_tp else 1
     if "zero_stage" in fields and plugin_config.zero_stage is None:  # nd: the framework's default
         changes["zero_stage"] = 1 if profile.distributed_optimizer else 0
     if "prefetch_depth" in fields:

@@ -168,9 +168,10 @@ class ParallelDims:
             )
         if self.vpp > 1 and m % p:
             raise ValueError(f"vpp: interleaving needs the {m} micro-batches per step to be a multiple of pp={p}")
-        if self.ep > 1 or self.etp > 1:
-            if model.moe is None:
-                raise ValueError("ep: expert parallelism needs an MoE model (model.moe)")
+        if model.moe is None and (self.ep > 1 or self.etp not in (1, t)):  # etp = tp: Megatron-Core's default, moot
+            key = "ep" if self.ep > 1 else "etp"
+            raise ValueError(f"{key}: expert parallelism needs an MoE model (model.moe)")
+        if model.moe is not None and (self.ep > 1 or self.etp > 1):
             if model.moe.num_experts % self.ep:
                 raise ValueError(f"ep: {self.ep} does not divide model.moe.num_experts {model.moe.num_experts}")
             if (n // p) % (self.ep * self.etp):

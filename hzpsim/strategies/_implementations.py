@@ -261,6 +261,15 @@ class Implementation:
     (megatron/core/distributed/distributed_data_parallel_config.py); NeMo's Megatron-Bridge
     recipes turn it on (src/megatron/bridge/recipes/common.py@067f987d::_pretrain_common:
     ``DistributedDataParallelConfig(..., use_distributed_optimizer=True)``)."""
+    expert_tp_is_tp: bool = False
+    """An ND run whose ``etp`` is not given shards each expert over the tensor-parallel size
+    (``etp`` = ``tp``): Megatron-Core's own default (``megatron/core/model_parallel_config.py::
+    ModelParallelConfig.__post_init__``@d98e8a64: ``if self.expert_tensor_parallel_size is None:
+    self.expert_tensor_parallel_size = self.tensor_model_parallel_size``; Megatron-LM's
+    ``--expert-tensor-parallel-size`` has no default of its own). False: ``etp`` 1, what the
+    NeMo / Megatron-Bridge MoE recipes set (``src/megatron/bridge/recipes/{deepseek,qwen,gpt_oss,
+    kimi,glm,...}/h100/*.py``@067f987d: ``cfg.model.expert_tensor_parallel_size = 1``) and what
+    frameworks without expert tensor parallelism run (torchtitan, DeepSpeed-MoE)."""
     moe_grouped_gemm: bool = True
     """An MoE layer's local experts run as one grouped GEMM per linear (Megatron-Core
     ``experts.py::TEGroupedMLP`` / ``GroupedMLP``, torchtitan ``torch._grouped_mm``). False: one
@@ -510,14 +519,15 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "megatron-core": Implementation(
         name="megatron-core", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
-        moe_dispatcher="allgather", moe_grouped_gemm=False, moe_permute_fusion=False,
+        moe_dispatcher="allgather", moe_grouped_gemm=False, moe_permute_fusion=False, expert_tp_is_tp=True,
         attention_kernel_on=_TE_FUSED_ATTENTION,
         source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
                "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
                "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward); "
                "MoE as TransformerConfig's defaults: moe_token_dispatcher_type 'allgather', "
                "moe_grouped_gemm False (SequentialMLP), moe_permute_fusion False (eager permute / scatter_add_ "
-               "un-permute, moe/moe_utils.py)",
+               "un-permute, moe/moe_utils.py); expert_tensor_parallel_size = tensor_model_parallel_size "
+               "(model_parallel_config.py::ModelParallelConfig.__post_init__)",
     ),
     "megatron-bridge": Implementation(
         name="megatron-bridge", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
@@ -525,7 +535,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
         source=f"{_MEG}@d98e8a64 (megatron-core's collectives) as NVIDIA-NeMo/Megatron-Bridge@067f987d "
                "recipes configure them: src/megatron/bridge/recipes/common.py::_pretrain_common "
                "(use_distributed_optimizer=True); MoE models: src/megatron/bridge/recipes/{{deepseek,qwen,...}}: "
-               "moe_token_dispatcher_type 'alltoall', moe_grouped_gemm True, moe_permute_fusion True",
+               "moe_token_dispatcher_type 'alltoall', moe_grouped_gemm True, moe_permute_fusion True, "
+               "expert_tensor_parallel_size 1",
     ),
     "torchtitan": Implementation(
         name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,

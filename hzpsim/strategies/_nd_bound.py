@@ -98,13 +98,13 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
     # expert parameters shard the same way over their expert-data-parallel group
     # (hardware.placement.expert_placement: n / (etp · ep · pp) ranks)
     moe = bounder.model.moe is not None
-    expert_dp = n // (cfg.ep * cfg.etp * p) if moe else 1
+    expert_dp = n // (cfg.ep * cfg.expert_tp * p) if moe else 1
     expert_sizes = nd.sharding_sizes(cfg.sharding_stage, expert_dp)
     block = cfg.tp * cfg.cp * lay.dp
     if moe and expert_sizes != (1, 1, 1):
         # each stage's expert-data-parallel group (of its first rank: the group the simulated
         # rank's expert ShardedParams uses) and the units with their experts as their parameters
-        placement = expert_placement(n, cfg.ep, cfg.etp, p)
+        placement = expert_placement(n, cfg.ep, cfg.expert_tp, p)
         expert_groups = [tuple(placement.group("edp", s * block)) for s in range(p)]
         expert_units = bounder.expert_units(unit_costs)
     last = _last_action(bounder, p, v, m)

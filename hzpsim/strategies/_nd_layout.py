@@ -17,7 +17,7 @@ from hzpsim.strategies._sharded import Schedule
 
 
 def dims(config: Any) -> ParallelDims:
-    return ParallelDims(tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp, ep=config.ep, etp=config.etp,
+    return ParallelDims(tp=config.tp, pp=config.pp, cp=config.cp, dp=config.dp, ep=config.ep, etp=config.expert_tp,
                         vpp=config.vpp, sequence_parallel=config.sequence_parallel,
                         tp_comm_overlap=config.tp_comm_overlap, tp_comm_overlap_backward=config.tp_comm_overlap_backward,
                         **moe_fields(config))

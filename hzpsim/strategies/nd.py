@@ -53,7 +53,7 @@ class Config:
     dp: int | None = None  # data-parallel size; None = devices / (tp x pp x cp)
     cp: int = 1  # context-parallel size (sequence split, ring exchange of K/V)
     ep: int = 1  # expert-parallel size (MoE); may fold over tp x cp x dp ranks
-    etp: int = 1  # expert tensor-parallel size
+    etp: int | None = None  # expert tensor-parallel size; None = the implementation's (megatron-core: tp; else 1)
     vpp: int = 1  # interleaved model chunks per pipeline rank (virtual pipeline)
     sequence_parallel: bool = False  # Megatron's --sequence-parallel
     zero_stage: Literal[0, 1, 2, 3] | None = None  # sharding over the data-parallel group (1 = distributed
@@ -79,6 +79,14 @@ class Config:
         _implementations.get(self.implementation)
         dims(self)  # the degrees and the schedule check their own fields
         schedule(self)
+
+    @property
+    def expert_tp(self) -> int:
+        """``etp`` as simulated: the implementation's default when unset (Megatron-Core's is the
+        tensor-parallel size, ``Implementation.expert_tp_is_tp``; the others' 1)."""
+        if self.etp is not None:
+            return self.etp
+        return self.tp if _implementations.get(self.implementation).expert_tp_is_tp else 1
 
     @property
     def sharding_stage(self) -> int:
@@ -108,8 +116,11 @@ SEARCH_RANK = 10
 
 def layouts(model: Model, training: Training, topology: Topology, space: Any) -> list[dict[str, Any]]:
     """The search's ND layouts: every tp x pp x vpp x cp x ep x ZeRO stage x sequence
-    parallelism of ``space`` (interleaving only with pp > 1, sequence parallelism only with tp > 1)."""
+    parallelism of ``space`` (interleaving only with pp > 1, sequence parallelism only with tp > 1),
+    and for an MoE model every experts' tensor-parallel size ``etp`` of ``space`` (written out:
+    the implementation's own default may differ)."""
     out = []
+    etps = tuple(getattr(space, "etp", (1,))) if model.moe is not None else (None,)
     for tp in space.tp:
         for pp in space.pp:
             for vpp in space.vpp:
@@ -123,8 +134,12 @@ def layouts(model: Model, training: Training, topology: Topology, space: Any) ->
                             for sp in space.sequence_parallel:
                                 if sp and tp == 1:
                                     continue
-                                out.append({"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep,
-                                            "zero_stage": stage, "sequence_parallel": sp})
+                                for etp in etps:
+                                    fields = {"tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "ep": ep,
+                                              "zero_stage": stage, "sequence_parallel": sp}
+                                    if etp is not None:
+                                        fields["etp"] = etp
+                                    out.append(fields)
     return out
 
 
@@ -382,7 +397,13 @@ class _Stage:
 
 def label(resolved: dict) -> str:
     """A short name for tables."""
-    return compose_label(resolved, {"zero_stage": "zero", "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "vpp": "vpp"})
+    short = {"zero_stage": "zero", "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "etp": "etp", "vpp": "vpp"}
+    etp, implementation = resolved.get("etp"), resolved.get("implementation")
+    if etp is not None and isinstance(implementation, str) and implementation in _implementations.IMPLEMENTATIONS:
+        default = resolved.get("tp", 1) if _implementations.get(implementation).expert_tp_is_tp else 1
+        if etp == default or (resolved.get("ep") or 1) == 1:  # named only where it is not what the profile gives
+            short.pop("etp")
+    return compose_label(resolved, short)
 
 
 # ------------------------------------------------------------------ what the rest of hzpsim asks (strategies/__init__.py)

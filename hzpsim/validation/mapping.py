@@ -379,8 +379,7 @@ def _map_moe(row: dict[str, Any], strategy: dict[str, Any], assumptions: list[st
         etp = whole(row, "etp")
         if etp is None or etp < 1:
             raise RowSkipped(f"etp: {cell_text(row, 'etp')!r} is not a positive whole number")
-        if etp > 1:
-            strategy["etp"] = etp
+        strategy["etp"] = etp  # 1 too: Megatron-Core's own default is the TP size
     stated_keys = [k for k in ("moe_grouped_gemm", "moe_permute_fusion") if cell_text(row, k)]
     if not stated_keys or not whole(row, "moe_experts"):
         return

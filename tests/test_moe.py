@@ -169,8 +169,13 @@ def test_the_search_writes_the_experts_tp_out_for_moe_models_only():
                                  "cluster": {"preset": "dgx-h100", "num_nodes": 1}, "strategy": {"name": "nd"}})
     dense = scenario_from_mapping({"model": "tiny-dense", "training": {"global_batch_size": 32},
                                    "cluster": {"preset": "dgx-h100", "num_nodes": 1}, "strategy": {"name": "nd"}})
-    space = Space(tp=(1, 2), pp=(1,), vpp=(1,), ep=(1, 2), zero_stage=(1,), sequence_parallel=(True,))
-    assert {f["etp"] for f in nd.layouts(moe.model, moe.training, moe.topology, space)} == {1}
+    space = Space(tp=(1, 2), pp=(1,), vpp=(1,), ep=(1, 2), zero_stage=(1,), sequence_parallel=(False, True))
+    layouts = nd.layouts(moe.model, moe.training, moe.topology, space)
+    assert {f["etp"] for f in layouts} == {1}
+    # a search row's label (its fields, without the implementation) names etp only where the
+    # default profile (megatron-core: etp = tp) would not give it
+    assert {("etp=1" in nd.label({"name": "nd", **f})) for f in layouts if f["tp"] == 1} == {False}
+    assert {("etp=1" in nd.label({"name": "nd", **f})) for f in layouts if f["tp"] == 2 and f["ep"] == 2} == {True}
     wider = Space(**{**space.__dict__, "etp": (1, 2)})
     assert {f["etp"] for f in nd.layouts(moe.model, moe.training, moe.topology, wider)} == {1, 2}
     assert all("etp" not in f for f in nd.layouts(dense.model, dense.training, dense.topology, space))

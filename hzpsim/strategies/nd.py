@@ -395,10 +395,13 @@ class _Stage:
             self._send("B", vs, mb, step, self.units[self.chunks[c][0]].p2p_bytes, last, sends)
 
 
+_DEFAULT_IMPLEMENTATION = Config().implementation
+
+
 def label(resolved: dict) -> str:
     """A short name for tables."""
     short = {"zero_stage": "zero", "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "etp": "etp", "vpp": "vpp"}
-    etp, implementation = resolved.get("etp"), resolved.get("implementation")
+    etp, implementation = resolved.get("etp"), resolved.get("implementation") or _DEFAULT_IMPLEMENTATION
     if etp is not None and isinstance(implementation, str) and implementation in _implementations.IMPLEMENTATIONS:
         default = resolved.get("tp", 1) if _implementations.get(implementation).expert_tp_is_tp else 1
         if etp == default or (resolved.get("ep") or 1) == 1:  # named only where it is not what the profile gives

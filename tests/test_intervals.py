@@ -106,3 +106,21 @@ def test_reports_frame_carries_the_interval() -> None:
     assert (frame.at[0, "step_time_low_s"], frame.at[0, "step_time_high_s"]) == (1.8, 2.5)
     frame = frames.reports_frame([{**reports[0], "step_time_interval_s": None}])
     assert math.isnan(frame.at[0, "step_time_low_s"])
+
+
+def test_the_pooled_interval_of_the_coverage_script_weighs_each_source_once() -> None:
+    """``scripts/interval_coverage.py``'s alternative: the sources' averaged error distributions.
+    A source of 95 rows at 0 and one of 5 rows at 1: pooled, the upper end is source two's error
+    (each source half the mass); split conformal over the rows stays at source one's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "interval_coverage.py"
+    spec = importlib.util.spec_from_file_location("interval_coverage", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    errors, sources = [0.0] * 95 + [1.0] * 5, ["a"] * 95 + ["b"] * 5
+    assert script.pooled(errors, sources) == (0.0, 1.0)
+    assert script.shipped(errors, sources) == (0.0, 0.0)
+    assert script.pooled_quantile(errors, sources, 0.5) == 0.0 and script.pooled_quantile(errors, sources, 0.51) == 1.0

@@ -1,0 +1,107 @@
+"""How many published rows lie inside their cross-validated 80 % interval, drawn two ways.
+
+    python scripts/interval_coverage.py PROFILE.json VALIDATE.json
+
+``PROFILE.json`` is a calibration profile (``hzpsim/data/calibration.json`` or what ``hzpsim
+calibrate published --out`` wrote) and ``VALIDATE.json`` what ``hzpsim validate published
+--profile PROFILE.json --json`` wrote with it. For every row with a held-out prediction the
+interval is rebuilt from the profile's held-out errors of the other sources, in the row's regime
+(``hzpsim.calibration.intervals.basis``), two ways:
+
+- ``shipped``: ``intervals.conformal_bounds``, what ``hzpsim run`` and ``validate`` use (split
+  conformal over the rows, each row one draw); it reproduces ``summary.band_coverage_80``;
+- ``pooled``: the average of the sources' empirical error distributions, each source weighted
+  once (the "pooling CDFs" interval for a new group of Dunn, Wasserman & Ramdas, "Distribution-
+  free prediction sets for two-layer hierarchical models", JASA 2022), which is what a user's
+  cluster is: a source none of the rows came from.
+
+The uncalibrated-device widening is taken from the validate output as it was applied. Prints the
+share of rows inside, row-weighted and source-weighted, and per source.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Callable, Sequence
+
+from hzpsim.calibration import intervals
+
+Bounds = Callable[[Sequence[float], Sequence[str]], tuple[float, float]]
+
+
+def pooled_quantile(errors: Sequence[float], sources: Sequence[str], level: float) -> float:
+    """The smallest error t at which the sources' averaged empirical CDF reaches ``level``."""
+    groups: dict[str, list[float]] = {}
+    for error, source in zip(errors, sources):
+        groups.setdefault(source, []).append(error)
+    for t in sorted(set(errors)):
+        if sum(sum(x <= t for x in g) / len(g) for g in groups.values()) / len(groups) >= level - 1e-12:
+            return t
+    return max(errors)
+
+
+def pooled(errors: Sequence[float], sources: Sequence[str]) -> tuple[float, float]:
+    alpha = 1.0 - intervals.COVERAGE
+    return pooled_quantile(errors, sources, alpha / 2), pooled_quantile(errors, sources, 1 - alpha / 2)
+
+
+def shipped(errors: Sequence[float], sources: Sequence[str]) -> tuple[float, float]:
+    return intervals.conformal_bounds(list(errors))
+
+
+def coverage(report: dict, rows: list[dict], bounds: Bounds) -> tuple[float, dict[str, list[int]]]:
+    inside_all, by_source = 0, dict[str, list[int]]()
+    for row in rows:
+        regimes = tuple(r for r in row["regimes"].split(", ") if r)
+        source = row["source_id"]
+        _, errors, _ = intervals.basis(regimes, report, exclude_source=source)
+        # the sources of the same errors, in the same order (basis keeps the report's order)
+        chosen = _chosen(regimes, report, source)
+        assert [float(e["log_error"]) for e in chosen] == errors
+        names = [e["source"] for e in chosen]
+        predicted, measured = row["cv_pred_tokens_per_s_per_gpu"], row["meas_tokens_per_s_per_gpu"]
+        shipped_low = shipped(errors, names)[1]
+        widening = (row["cv_interval_low_tokens_per_s_per_gpu"] / predicted) / math.exp(-shipped_low)
+        low_err, high_err = bounds(errors, names)
+        low, high = predicted * math.exp(-high_err) * widening, predicted * math.exp(-low_err)
+        inside = low <= measured <= high
+        inside_all += inside
+        counts = by_source.setdefault(source, [0, 0])
+        counts[0] += inside
+        counts[1] += 1
+    return inside_all / len(rows), by_source
+
+
+def _chosen(regimes: tuple[str, ...], report: dict, source: str) -> list[dict]:
+    moe = "MoE" in regimes
+    rows = [e for e in intervals._errors(report, source) if ("MoE" in e.get("regimes", ())) == moe]
+    ordered = [r for r in intervals.REGIME_ORDER if r in regimes] + [r for r in regimes if r not in intervals.REGIME_ORDER]
+    for regime in ordered:
+        chosen = [e for e in rows if regime in e.get("regimes", ())]
+        if len(chosen) >= intervals.MIN_ROWS:
+            return chosen
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(__doc__.split("\n\n")[0], file=sys.stderr)
+        return 2
+    with open(argv[0], encoding="utf-8") as handle:
+        report = json.load(handle)["report"]
+    with open(argv[1], encoding="utf-8") as handle:
+        validated = json.load(handle)
+    rows = [r for r in validated["rows"] if r.get("cv_in_interval") is not None]
+    print(f"validate's band_coverage_80: {validated['summary'].get('band_coverage_80'):.3f} ({len(rows)} rows)")
+    for name, bounds in (("shipped", shipped), ("pooled", pooled)):
+        share, by_source = coverage(report, rows, bounds)
+        weighted = sum(i / n for i, n in by_source.values()) / len(by_source)
+        per = ", ".join(f"{s} {i}/{n}" for s, (i, n) in sorted(by_source.items()))
+        print(f"{name:<8} rows {share:.3f}  source-weighted {weighted:.3f}  ({per})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -187,6 +187,8 @@ def test_the_search_writes_the_experts_tp_out_for_moe_models_only():
     ({"ep": 3}, "tiny-moe", "ep"),
     ({"ep": 4, "moe_capacity_factor": 0}, "tiny-moe", "moe_capacity_factor"),
     ({"ep": 4, "moe_pad_to_capacity": True}, "tiny-moe", "moe_pad_to_capacity"),
+    # megatron-core's etp defaults to tp: ep 4 x etp 2 does not fit a stage of 4 ranks; the message says why
+    ({"tp": 2, "ep": 4, "pp": 2, "sequence_parallel": True}, "tiny-moe", "etp unset: megatron-core's default"),
     ({}, {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 64,
           "seq_len": 64, "moe": {"num_experts": 4, "top_k": 8, "expert_ffn_hidden_size": 64}}, "top_k"),
 ])

@@ -108,7 +108,13 @@ def stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
 
 def layout(config: Any, model: Model, training: Training, topology: Topology) -> Layout:
     n, d = topology.num_devices, dims(config)
-    d.check(model, training, n)
+    try:
+        d.check(model, training, n)
+    except ValueError as exc:
+        if config.etp is None and d.etp > 1 and str(exc).startswith(("ep:", "etp:")):  # the profile chose etp
+            raise ValueError(f"{exc} (etp unset: {config.implementation}'s default, the TP size {d.etp}; "
+                             f"set strategy.etp)") from None
+        raise
     layers = stage_layers(model.num_layers, d.pp, d.vpp, config.first_stage_layers, config.last_stage_layers)
     dp = d.data_parallel(n)
     placement = Placement.from_sizes(n, order=("tp", "cp", "dp", "pp"), tp=d.tp, cp=d.cp, dp=dp, pp=d.pp)

@@ -13,7 +13,12 @@ interval is rebuilt from the profile's held-out errors of the other sources, in 
 - ``pooled``: the average of the sources' empirical error distributions, each source weighted
   once (the "pooling CDFs" interval for a new group of Dunn, Wasserman & Ramdas, "Distribution-
   free prediction sets for two-layer hierarchical models", JASA 2022), which is what a user's
-  cluster is: a source none of the rows came from.
+  cluster is: a source none of the rows came from;
+- ``random-effects``: a normal random-effects model of the errors (a source's offset plus the
+  row's own), and the prediction interval for a new source of a random-effects meta-analysis
+  (Higgins, Thompson & Spiegelhalter, JRSS A 2009): the mean of the source means plus or minus
+  t(k - 2) times sqrt(between-source variance + within-source variance + the mean's variance),
+  the between-source variance by moments on the source means.
 
 The uncalibrated-device widening is taken from the validate output as it was applied. Prints the
 share of rows inside, row-weighted and source-weighted, and per source.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 
@@ -45,6 +51,26 @@ def pooled_quantile(errors: Sequence[float], sources: Sequence[str], level: floa
 def pooled(errors: Sequence[float], sources: Sequence[str]) -> tuple[float, float]:
     alpha = 1.0 - intervals.COVERAGE
     return pooled_quantile(errors, sources, alpha / 2), pooled_quantile(errors, sources, 1 - alpha / 2)
+
+
+T_90 = {1: 3.078, 2: 1.886, 3: 1.638, 4: 1.533, 5: 1.476, 6: 1.440, 7: 1.415, 8: 1.397, 9: 1.383, 10: 1.372}
+"""Student's t 0.9 quantile by degrees of freedom (standard tables); above 10: 1.372, slightly wide."""
+
+
+def random_effects(errors: Sequence[float], sources: Sequence[str]) -> tuple[float, float]:
+    groups: dict[str, list[float]] = {}
+    for error, source in zip(errors, sources):
+        groups.setdefault(source, []).append(error)
+    k = len(groups)
+    means = [statistics.fmean(g) for g in groups.values()]
+    within_df = sum(len(g) - 1 for g in groups.values())
+    within = sum((len(g) - 1) * statistics.variance(g) for g in groups.values() if len(g) > 1) / within_df if within_df else 0.0
+    spread = statistics.variance(means) if k > 1 else 0.0
+    between = max(0.0, spread - statistics.fmean([within / len(g) for g in groups.values()]))
+    sd = math.sqrt(between + within + spread / k)
+    t = T_90.get(max(k - 2, 1), T_90[10])
+    centre = statistics.fmean(means)
+    return centre - t * sd, centre + t * sd
 
 
 def shipped(errors: Sequence[float], sources: Sequence[str]) -> tuple[float, float]:
@@ -95,11 +121,11 @@ def main(argv: list[str]) -> int:
         validated = json.load(handle)
     rows = [r for r in validated["rows"] if r.get("cv_in_interval") is not None]
     print(f"validate's band_coverage_80: {validated['summary'].get('band_coverage_80'):.3f} ({len(rows)} rows)")
-    for name, bounds in (("shipped", shipped), ("pooled", pooled)):
+    for name, bounds in (("shipped", shipped), ("pooled", pooled), ("random-effects", random_effects)):
         share, by_source = coverage(report, rows, bounds)
         weighted = sum(i / n for i, n in by_source.values()) / len(by_source)
         per = ", ".join(f"{s} {i}/{n}" for s, (i, n) in sorted(by_source.items()))
-        print(f"{name:<8} rows {share:.3f}  source-weighted {weighted:.3f}  ({per})")
+        print(f"{name:<14} rows {share:.3f}  source-weighted {weighted:.3f}  ({per})")
     return 0
 
 

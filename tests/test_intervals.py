@@ -124,3 +124,7 @@ def test_the_pooled_interval_of_the_coverage_script_weighs_each_source_once() ->
     assert script.pooled(errors, sources) == (0.0, 1.0)
     assert script.shipped(errors, sources) == (0.0, 0.0)
     assert script.pooled_quantile(errors, sources, 0.5) == 0.0 and script.pooled_quantile(errors, sources, 0.51) == 1.0
+    # the random-effects alternative: a new source's offset is drawn like the sources' offsets
+    low, high = script.random_effects([0.0, 0.2, 1.0, 1.2], ["a", "a", "b", "b"])
+    half = 3.078 * math.sqrt(0.49 + 0.02 + 0.25)  # t(1); between 0.5 - 0.01, within 0.02, the mean's 0.5 / 2
+    assert low == pytest.approx(0.6 - half) and high == pytest.approx(0.6 + half)

@@ -1,4 +1,4 @@
-"""How many published rows lie inside their cross-validated 80 % interval, drawn two ways.
+"""How many published rows lie inside their cross-validated 80 % interval, drawn three ways.
 
     python scripts/interval_coverage.py PROFILE.json VALIDATE.json
 
@@ -6,7 +6,7 @@
 calibrate published --out`` wrote) and ``VALIDATE.json`` what ``hzpsim validate published
 --profile PROFILE.json --json`` wrote with it. For every row with a held-out prediction the
 interval is rebuilt from the profile's held-out errors of the other sources, in the row's regime
-(``hzpsim.calibration.intervals.basis``), two ways:
+(``hzpsim.calibration.intervals.basis_records``), three ways:
 
 - ``shipped``: ``intervals.conformal_bounds``, what ``hzpsim run`` and ``validate`` use (split
   conformal over the rows, each row one draw); it reproduces ``summary.band_coverage_80``;
@@ -37,13 +37,19 @@ from hzpsim.calibration import intervals
 Bounds = Callable[[Sequence[float], Sequence[str]], tuple[float, float]]
 
 
-def pooled_quantile(errors: Sequence[float], sources: Sequence[str], level: float) -> float:
-    """The smallest error t at which the sources' averaged empirical CDF reaches ``level``."""
+def by_source(errors: Sequence[float], sources: Sequence[str]) -> list[list[float]]:
+    """The errors grouped by their source."""
     groups: dict[str, list[float]] = {}
     for error, source in zip(errors, sources):
         groups.setdefault(source, []).append(error)
+    return list(groups.values())
+
+
+def pooled_quantile(errors: Sequence[float], sources: Sequence[str], level: float) -> float:
+    """The smallest error t at which the sources' averaged empirical CDF reaches ``level``."""
+    groups = by_source(errors, sources)
     for t in sorted(set(errors)):
-        if sum(sum(x <= t for x in g) / len(g) for g in groups.values()) / len(groups) >= level - 1e-12:
+        if sum(sum(x <= t for x in g) / len(g) for g in groups) / len(groups) >= level - 1e-12:
             return t
     return max(errors)
 
@@ -58,15 +64,13 @@ T_90 = {1: 3.078, 2: 1.886, 3: 1.638, 4: 1.533, 5: 1.476, 6: 1.440, 7: 1.415, 8:
 
 
 def random_effects(errors: Sequence[float], sources: Sequence[str]) -> tuple[float, float]:
-    groups: dict[str, list[float]] = {}
-    for error, source in zip(errors, sources):
-        groups.setdefault(source, []).append(error)
+    groups = by_source(errors, sources)
     k = len(groups)
-    means = [statistics.fmean(g) for g in groups.values()]
-    within_df = sum(len(g) - 1 for g in groups.values())
-    within = sum((len(g) - 1) * statistics.variance(g) for g in groups.values() if len(g) > 1) / within_df if within_df else 0.0
+    means = [statistics.fmean(g) for g in groups]
+    within_df = sum(len(g) - 1 for g in groups)
+    within = sum((len(g) - 1) * statistics.variance(g) for g in groups if len(g) > 1) / within_df if within_df else 0.0
     spread = statistics.variance(means) if k > 1 else 0.0
-    between = max(0.0, spread - statistics.fmean([within / len(g) for g in groups.values()]))
+    between = max(0.0, spread - statistics.fmean([within / len(g) for g in groups]))
     sd = math.sqrt(between + within + spread / k)
     t = T_90.get(max(k - 2, 1), T_90[10])
     centre = statistics.fmean(means)
@@ -82,11 +86,8 @@ def coverage(report: dict, rows: list[dict], bounds: Bounds) -> tuple[float, dic
     for row in rows:
         regimes = tuple(r for r in row["regimes"].split(", ") if r)
         source = row["source_id"]
-        _, errors, _ = intervals.basis(regimes, report, exclude_source=source)
-        # the sources of the same errors, in the same order (basis keeps the report's order)
-        chosen = _chosen(regimes, report, source)
-        assert [float(e["log_error"]) for e in chosen] == errors
-        names = [e["source"] for e in chosen]
+        _, chosen = intervals.basis_records(regimes, report, exclude_source=source)
+        errors, names = [float(e["log_error"]) for e in chosen], [e["source"] for e in chosen]
         predicted, measured = row["cv_pred_tokens_per_s_per_gpu"], row["meas_tokens_per_s_per_gpu"]
         shipped_low = shipped(errors, names)[1]
         widening = (row["cv_interval_low_tokens_per_s_per_gpu"] / predicted) / math.exp(-shipped_low)
@@ -98,17 +99,6 @@ def coverage(report: dict, rows: list[dict], bounds: Bounds) -> tuple[float, dic
         counts[0] += inside
         counts[1] += 1
     return inside_all / len(rows), by_source
-
-
-def _chosen(regimes: tuple[str, ...], report: dict, source: str) -> list[dict]:
-    moe = "MoE" in regimes
-    rows = [e for e in intervals._errors(report, source) if ("MoE" in e.get("regimes", ())) == moe]
-    ordered = [r for r in intervals.REGIME_ORDER if r in regimes] + [r for r in regimes if r not in intervals.REGIME_ORDER]
-    for regime in ordered:
-        chosen = [e for e in rows if regime in e.get("regimes", ())]
-        if len(chosen) >= intervals.MIN_ROWS:
-            return chosen
-    return rows
 
 
 def main(argv: list[str]) -> int:

@@ -48,7 +48,15 @@ def _errors(report: Mapping[str, Any], exclude_source: str | None = None) -> lis
 
 def basis(regimes: tuple[str, ...], report: Mapping[str, Any], exclude_source: str | None = None) -> tuple[str, list[float], int]:
     """The regime whose held-out errors describe a run of ``regimes``, those errors, and how
-    many sources they come from. A dense run draws on dense rows only and an MoE run on MoE
+    many sources they come from (:func:`basis_records`)."""
+    name, chosen = basis_records(regimes, report, exclude_source)
+    return name, [float(e["log_error"]) for e in chosen], len({e["source"] for e in chosen})
+
+
+def basis_records(regimes: tuple[str, ...], report: Mapping[str, Any],
+                  exclude_source: str | None = None) -> tuple[str, list[dict[str, Any]]]:
+    """The regime whose held-out errors describe a run of ``regimes`` and those errors' records
+    (``log_error``, ``source``, ...). A dense run draws on dense rows only and an MoE run on MoE
     rows only (MoE rows err differently: ``docs/validation.md`` §8). Without a regime of
     :data:`MIN_ROWS` errors, every such row: ``"all (<regime>: n rows)"`` when the run's own
     regime has too few, :data:`EXTRAPOLATED` when it has none (a family no published run uses)."""
@@ -58,10 +66,10 @@ def basis(regimes: tuple[str, ...], report: Mapping[str, Any], exclude_source: s
     for regime in ordered:
         chosen = [e for e in rows if regime in e.get("regimes", ())]
         if len(chosen) >= MIN_ROWS:
-            return regime, [float(e["log_error"]) for e in chosen], len({e["source"] for e in chosen})
+            return regime, chosen
     sparse = [f"{r}: {sum(r in e.get('regimes', ()) for e in rows)} rows" for r in ordered if r != "MoE"]
     name = f"all {'MoE' if moe else 'dense'} runs ({'; '.join(sparse)})" if sparse else EXTRAPOLATED
-    return name, [float(e["log_error"]) for e in rows], len({e["source"] for e in rows})
+    return name, rows
 
 
 def conformal_bounds(errors: list[float], coverage: float = COVERAGE) -> tuple[float, float]:

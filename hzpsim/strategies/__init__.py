@@ -133,7 +133,7 @@ def as_simulated(config: Any) -> Any:
     if "moe_permute_fusion" in fields and plugin_config.moe_permute_fusion is None:
         changes["moe_permute_fusion"] = profile.moe_permute_fusion
     if "etp" in fields and plugin_config.etp is None:  # nd: the framework's default (Megatron-Core: tp)
-        changes["etp"] = plugin_config.tp if profile.expert_tp_is_tp else 1
+        changes["etp"] = profile.expert_tp(plugin_config.tp)
     if "zero_stage" in fields and plugin_config.zero_stage is None:  # nd: the framework's default
         changes["zero_stage"] = 1 if profile.distributed_optimizer else 0
     if "prefetch_depth" in fields:

@@ -284,6 +284,11 @@ class Implementation:
     ``scatter_add_``) and torchtitan's (``torchtitan/models/moe/moe.py``: ``torch.gather``,
     ``zeros_like`` + ``scatter_add``), timed on an H200 (``_moe.UNFUSED_PERMUTE``)."""
 
+    def expert_tp(self, tp: int) -> int:
+        """The experts' tensor-parallel size of an ND run of ``tp`` that does not give one
+        (:attr:`expert_tp_is_tp`)."""
+        return tp if self.expert_tp_is_tp else 1
+
     # -- counts -------------------------------------------------------------------------------
 
     def gathered(self, tensors: Sequence[float]) -> list[float]:

@@ -86,7 +86,7 @@ class Config:
         tensor-parallel size, ``Implementation.expert_tp_is_tp``; the others' 1)."""
         if self.etp is not None:
             return self.etp
-        return self.tp if _implementations.get(self.implementation).expert_tp_is_tp else 1
+        return _implementations.get(self.implementation).expert_tp(self.tp)
 
     @property
     def sharding_stage(self) -> int:
@@ -403,8 +403,7 @@ def label(resolved: dict) -> str:
     short = {"zero_stage": "zero", "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "etp": "etp", "vpp": "vpp"}
     etp, implementation = resolved.get("etp"), resolved.get("implementation") or _DEFAULT_IMPLEMENTATION
     if etp is not None and isinstance(implementation, str) and implementation in _implementations.IMPLEMENTATIONS:
-        default = resolved.get("tp", 1) if _implementations.get(implementation).expert_tp_is_tp else 1
-        if etp == default or (resolved.get("ep") or 1) == 1:  # named only where it is not what the profile gives
+        if etp == _implementations.get(implementation).expert_tp(resolved.get("tp", 1)) or (resolved.get("ep") or 1) == 1:  # named only where it is not what the profile gives
             short.pop("etp")
     return compose_label(resolved, short)
 

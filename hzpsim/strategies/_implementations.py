@@ -40,15 +40,27 @@ KERNEL_LAUNCH_S = 3.5e-6
 #: ~10 us on the fast path, ~45 us on the old coalescing path (pytorch PR #98793).
 COLLECTIVE_CALL_S = 10e-6
 COLLECTIVE_CALL_2021_S = 45e-6
-#: Host time per rank of the group for a list-form collective: one tensor view built in Python
-#: and one device copy launched per rank (ProcessGroupNCCL copies each of the N chunks back
-#: after a list-form all_gather; reduce_scatter copies N chunks in). DeepSpeed #1069 (2021)
-#: measured ~380 us of pre-launch + launch per per-parameter gather at N = 8, which, less the
-#: 45 us call itself, would be (380 - 45) / 8 = 42 us per rank if it all scaled with N. The
-#: value here is HAND-SET inside the plausible range 3-40 us, not fitted (``hzpsim calibrate``
-#: fits only calibration/constants.py) and not derived from that citation; DeepSpeed-2021's
-#: predictions move strongly with it (docs/validation.md, "Hand-set constants").
-LIST_FORM_PER_RANK_S = 8e-6
+#: Host time of one view op dispatched from Python (``Tensor.narrow``: binding, ATen dispatch, a
+#: new TensorImpl, no kernel), measured: 2.1 us (``benchmarks/bench_host_ops.py``, torch 2.13,
+#: Python 3.11, the 2-core development VM; least of 5 x 200,000 calls, three runs 2.08-2.22 us).
+PYTHON_VIEW_S = 2.1e-6
+#: Host time of one ``select`` called from C++, at most what the same op costs called from
+#: Python (``v[j]``), measured the same way: 1.2 us (three runs 1.21-1.24 us).
+CPP_VIEW_S = 1.2e-6
+#: Host time per rank of the group for a list-form collective, derived from the code that runs
+#: per rank: DeepSpeed v0.3.16-v0.5.4 build the output list with one Python ``narrow`` per rank
+#: (``partition_parameters.py::Init._allgather_param``); ProcessGroupNCCL flattens the list
+#: into one buffer and, per chunk, indexes it from C++ (``outputFlattened[i][j]``), records the
+#: stream and launches one ``copy_`` back (``ProcessGroupNCCL::allgather``'s post hook in the
+#: versions read, 1.6-era and 2.x; ``reduce_scatter`` copies the chunks in before the call).
+#: So one Python view, one C++ view and one launched copy per rank: 2.1 + 1.2 + 3.5
+#: (``KERNEL_LAUNCH_S``) = 6.8 us. Not counted: ``recordStream`` (a lock and a set insert in
+#: the caching allocator). With the launch measured on the H200 machine's host (6.4 us,
+#: docs/hardware-constants.md §7) it would be 9.7 us. DeepSpeed #1069's ~380 us per
+#: per-parameter gather at N = 8 is then mostly fixed cost (``_allgather_param`` calls
+#: ``torch.cuda.synchronize()`` before every gather: ``sync_before_gather``). Not fitted;
+#: DeepSpeed-2021's predictions move strongly with it (docs/validation.md §9 and §17).
+LIST_FORM_PER_RANK_S = PYTHON_VIEW_S + CPP_VIEW_S + KERNEL_LAUNCH_S
 FP32_BYTES = 4.0
 
 

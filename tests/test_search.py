@@ -415,8 +415,8 @@ def test_moe_memory_bound_holds_the_expert_states():
 def test_the_nd_bound_counts_the_norms_persistent_straggler():
     """A pipelined layout's gradient norm, its only rendezvous of the world, waits for the
     persistently slowest device (persistent_norm_s): the bound rises with
-    variability_persistent, by at least c·(E[max of n] - E[max of the largest group])·2·w
-    where that is the smaller term, and stays below the simulated step."""
+    variability_persistent, by at least c·(E[max of n] - E[max of the largest group]) of the
+    busiest stage's step, and stays below the simulated step."""
     from hzpsim.hardware.variability import expected_max_excess
 
     candidate = _nd(2, 4, 1, 1, True, 1)
@@ -426,7 +426,7 @@ def test_the_nd_bound_counts_the_norms_persistent_straggler():
         simulated = S.evaluate(sc, candidate)["report"]["step_time_s"]
         out[cv] = (S.Bounder(sc)(candidate, refine=True).step_time_s, simulated)
         assert out[cv][0] <= simulated * (1 + 1e-9)
-    # 32 ranks, the largest other group the 4-rank data-parallel one: at least 1.5 % of a
-    # step's kernels more (c·min(E(32), 2·(E(32) - E(4))) = 0.03·2.07, of kernels >= 40 % of it)
-    gain = 0.03 * min(expected_max_excess(32), 2 * (expected_max_excess(32) - expected_max_excess(4)))
+    # 32 ranks, the largest other group the 4-rank data-parallel one: at least 1.3 % of a
+    # step's kernels more (c·(E(32) - E(4)) = 0.03·1.07, of kernels >= 40 % of it)
+    gain = 0.03 * (expected_max_excess(32) - expected_max_excess(4))
     assert out[0.03][0] - out[0.0][0] > 0.4 * gain * out[0.0][0], (out, gain)

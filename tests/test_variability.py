@@ -75,6 +75,31 @@ def test_persistent_lateness_grows_with_all_the_work_and_does_not_average_out():
     assert Stragglers(cv=0.0, seed=0, persistent_cv=0.0).delay_s((0,), 64, sampled=False) == 0.0
 
 
+def test_persistent_lateness_starts_again_from_every_realignment():
+    """After a rendezvous of the whole world its members leave together, and a smaller group's
+    slowest falls behind again from there: the group waits for its own slowest over the new
+    work, whatever the world waited for before (the lateness is not counted from the run's
+    start, so it does not vanish after the first steps)."""
+    cv = 0.1
+    s = Stragglers(cv=0.0, seed=0, persistent_cv=cv)
+    for _ in range(3):  # three steps: a second of work, a rendezvous of 8, a second, one of 64
+        s.worked(0, 1.0)
+        assert s.delay_s((0,), 8, sampled=False) == pytest.approx(cv * expected_max_excess(8))
+        s.worked(0, 1.0)
+        assert s.delay_s((0,), 64, sampled=False) == pytest.approx(
+            cv * (2.0 * expected_max_excess(64) - expected_max_excess(8)))
+
+
+def test_a_step_does_not_depend_on_how_many_steps_are_simulated():
+    """The reported step is the last simulated one; with persistent slowness and noise on, a
+    pipelined layout's step is the same after two steps as after three."""
+    steps = [run_choice(sc, sc.strategies[0])["step_time_s"]
+             for n in (2, 3)
+             for sc in [scenario("strategy.name=nd", "strategy.pp=2", "strategy.tp=2", f"training.num_steps={n}",
+                                 "cluster.variability_persistent=0.03")]]
+    assert steps[0] == pytest.approx(steps[1], rel=1e-9)
+
+
 def test_persistent_draws_are_per_device_and_seeded():
     """Under --expand each device keeps one draw for the run, the same whatever order the
     devices first meet in; the group waits for its slowest member's work times its draw."""

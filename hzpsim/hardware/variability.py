@@ -30,16 +30,21 @@ groups (AsyncHZP, HSDP) wait for fewer stragglers than one flat group. Send/recv
 pipeline stage already waits for its neighbour's data. The collective's own transfer is not
 stretched (no source shows per-transfer noise; MegaScale's spread is of per-rank compute).
 
-**Persistent slowness.** A device of speed z standard deviations below the mean is late by
-``cv_p · z`` of all the work it has done, at every rendezvous, and its group waits for it: a
-group of N ranks, having done work ``w`` since the run began, is behind by ``cv_p ·
-E[max(0, max of N)] · w`` (sampled under ``--expand``: one draw per device, for the whole run,
-seeded by the device), less what its members already waited for at earlier rendezvous. Unlike
-the noise this does not average out over many short stretches: the lateness grows with the
-work, so between two rendezvous of the whole world it is ``cv_p · E[max]`` of the compute in
-between, whatever smaller groups met in the meantime — the slowest device sets the pace, as it
-does in a synchronous job. Both parts add at a rendezvous. ``cv = cv_p = 0`` gives exactly the
-deterministic model.
+**Persistent slowness.** A device of speed z standard deviations below the mean runs its
+work ``cv_p · z`` slower, at every rendezvous its group waits for it, and what it falls behind
+starts again from every rendezvous that re-aligned it: after the group waited, its members
+leave together, and the slow device then falls behind from there (its waits do not absorb its
+later slowness). For a group of N ranks, with ``w`` the device work since its members last met
+in a group at least as large, the slowest is ``cv_p · E[max(0, max of N)] · w`` behind (sampled
+under ``--expand``: one draw per device, for the whole run, seeded by the device), less what
+its members already waited for at smaller rendezvous over that same work. Unlike the noise
+this does not average out over many short stretches: between two rendezvous of the whole
+world the waits add up to ``cv_p · E[max]`` of the compute in between, whatever smaller groups
+met in the meantime — the slowest device sets the pace, as it does in a synchronous job — and
+the same every step (until 2026-11-27 the work counted from the run's start and the waits
+were compared across re-alignments, so a group smaller than the world waited for nothing
+after the first steps and the reported step depended on how many steps were simulated). Both
+parts add at a rendezvous. ``cv = cv_p = 0`` gives exactly the deterministic model.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ def expected_max_excess(n: int) -> float:
 
 
 class _RankState:
-    __slots__ = ("work_s", "last_work_s", "total_sq", "since", "waited_s")
+    __slots__ = ("work_s", "last_work_s", "total_sq", "since", "waited_s", "aligned")
 
     def __init__(self) -> None:
         self.work_s = 0.0  # device work done so far
@@ -72,7 +77,19 @@ class _RankState:
         self.total_sq = 0.0  # sum of squared stretches since the start
         self.since: dict[int, float] = {}  # group size -> sum of squared stretches since the last
         #                                    rendezvous in a group at least that large
-        self.waited_s = 0.0  # persistent lateness this rank has already waited for
+        self.waited_s = 0.0  # persistent lateness this rank has waited for in all
+        self.aligned: dict[int, tuple[float, float]] = {}  # group size -> (work_s, waited_s) at the
+        #                                    last rendezvous in a group at least that large
+
+    def mark(self, size: int) -> tuple[float, float]:
+        """(work_s, waited_s) when the rank last met a group of at least ``size`` ranks (the run's
+        start if never): every such rendezvous updates the marks of the sizes up to its own, so
+        the smallest recorded size >= ``size`` holds the latest."""
+        mark = self.aligned.get(size)
+        if mark is None:
+            larger = [s for s in self.aligned if s >= size]
+            mark = self.aligned[min(larger)] if larger else (0.0, 0.0)
+        return mark
 
 
 class Stragglers:
@@ -137,15 +154,20 @@ class Stragglers:
         if self.persistent_cv <= 0:
             return 0.0
         states = [self._state(r) for r in ranks]
+        marks = [s.mark(group_size) for s in states]
+        work = [s.work_s - m[0] for s, m in zip(states, marks)]  # since the group last met
         if sampled:  # every member is one device: its own speed, drawn once for the run
-            behind = max(max(0.0, self.speed(r)) * s.work_s for r, s in zip(ranks, states))
+            behind = max(max(0.0, self.speed(r)) * w for r, w in zip(ranks, work))
         else:
-            behind = expected_max_excess(group_size) * max(s.work_s for s in states)
+            behind = expected_max_excess(group_size) * max(work)
         behind *= self.persistent_cv
-        waited = max(s.waited_s for s in states)
-        for s in states:
-            s.waited_s = max(s.waited_s, behind)
-        return max(0.0, behind - waited)
+        waited = max(s.waited_s - m[1] for s, m in zip(states, marks))  # at smaller groups since
+        late = max(0.0, behind - waited)
+        for s in states:  # the members leave together: re-aligned for every size up to this one
+            s.waited_s += late
+            for size in [size for size in s.aligned if size <= group_size] + [group_size]:
+                s.aligned[size] = (s.work_s, s.waited_s)
+        return late
 
     def speed(self, rank: int) -> float:
         """The persistent standard-normal draw of device ``rank`` (slower when positive): one

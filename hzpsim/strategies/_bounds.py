@@ -627,21 +627,23 @@ def range_key(ranks: Sequence[int]) -> Any:
 def persistent_norm_s(costs: Costs, n: int, largest_group: int, least_step_work: Sequence[float]) -> float:
     """The least persistent lateness of the last step's gradient norm, the step's only
     rendezvous of all ``n`` ranks (``Stragglers._persistent_s``), when every other group the
-    ranks meet has at most ``largest_group`` members; ``least_step_work``: each simulated rank's
-    least device work in a step (its kernels and optimizer at least durations).
+    ranks meet has at most ``largest_group`` members, all of them on one stage's schedule (the
+    pipeline's sends are not rendezvous); ``least_step_work``: each simulated rank's least device
+    work in a step (its kernels and optimizer at least durations).
 
-    With c = cv_p and E(k) = E[max of k]: the norm starts c·E(n)·W late, W the most device work
-    a simulated rank has done since the run began, less the most any of them already waited
-    for. What a rank waited for is the largest c·E(size)·W' of its earlier rendezvous: at most
-    c·E(n)·W₁ from the previous step's norm (W₁ the most work then) and c·E(largest_group)·W from
-    any smaller group. Between the two norms every rank does a step of work, so W - W₁ is at
-    least the least rank's step, and W is at least two steps of the busiest rank (the reported
-    step is the last of at least two). Hence the wait is at least
-    c·min(E(n)·min(w), (E(n) - E(largest_group))·2·max(w))."""
+    With c = cv_p and E(k) = E[max of k]: the norm starts c·E(n)·X late, X the most device work
+    a simulated rank has done since the previous norm (every rank's last rendezvous of n), less
+    the most any of them already waited for at smaller rendezvous since. A rank's waits since
+    the previous norm add up to at most c·E(largest_group)·(its work since): each rendezvous of
+    size g charges c·E(g)·x less what the rank waited for over the same x (its work since it
+    last met a group at least that large), so the waits over any stretch between two
+    rendezvous of size >= g total at most c·E(g) of its work there (by induction on the sizes),
+    and E grows with the size. Between two norms every rank does a step of work, so X is at
+    least the largest least step. Hence the wait is at least c·(E(n) - E(largest_group))·max(w)."""
     if not costs.cv_persistent or largest_group >= n or not least_step_work:
         return 0.0
     e_n, e_g = expected_max_excess(n), expected_max_excess(largest_group)
-    return costs.cv_persistent * min(e_n * min(least_step_work), (e_n - e_g) * 2 * max(least_step_work))
+    return costs.cv_persistent * (e_n - e_g) * max(least_step_work)
 
 
 def communicators_at_least(group_sizes: Sequence[int], pairs: int = 0) -> int:

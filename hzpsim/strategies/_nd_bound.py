@@ -141,7 +141,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
         squares = max(m * sum(run_sum("kernels_sq", c * p + s) for c in range(v)) + opt_lo[s] ** 2 for s in range(p))
     norm = norm_s(costs, n, squares)
     # and the persistent slowness it waits for (each stage's kernels and least optimizer; the
-    # pipeline's sends are not rendezvous, a tied embedding's group has two ranks)
+    # pipeline's sends are not rendezvous, every other group lies within one stage)
     least = [m * sum(run_sum("kernels_s", c * p + s) for c in range(v)) + opt_lo[s] for s in range(p)]
     norm += persistent_norm_s(costs, n, max(*groups, 2), least)
     # the communicators every rank holds: the world's (the gradient norm), TP, CP, EP, the dense

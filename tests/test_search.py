@@ -430,3 +430,35 @@ def test_the_nd_bound_counts_the_norms_persistent_straggler():
     # step's kernels more (c·(E(32) - E(4)) = 0.03·1.07, of kernels >= 40 % of it)
     gain = 0.03 * (expected_max_excess(32) - expected_max_excess(4))
     assert out[0.03][0] - out[0.0][0] > 0.4 * gain * out[0.0][0], (out, gain)
+
+
+@pytest.mark.parametrize("data,texts", [
+    (SMALL, SPACE + ["zero_stage=0,1,2,3", "cp=1,2"]),
+    (MOE, SPACE + ["ep=1,2,4,8", "zero_stage=0,1,3"]),
+    (GPT3, ["tp=4,8", "pp=4,8", "vpp=1,2", "zero_stage=1,2", "micro_batch_size=1"]),
+], ids=["dense", "moe", "gpt3"])
+def test_the_nd_bound_knows_every_group_a_rank_waits_at(data, texts):
+    """The ND bound prices the persistent slowness at each TP and EP exchange against the
+    largest smaller group a rank meets (``_nd_bound.rendezvous_sizes``): a superset of the
+    sizes of every group whose collectives the built graph holds (sends are not rendezvous).
+    A size it missed could make the bound exceed the simulation."""
+    from hzpsim.search.space import choice_of, training_of
+    from hzpsim.strategies import _nd_bound, _nd_layout
+
+    scenario = small_scenario(data)
+    space = space_of(scenario, texts)
+    candidates = [c for c in S.enumerate_candidates(scenario, ("nd",), space) if S.check(scenario, c) is None]
+    assert len(candidates) >= 8
+    plugin = strategies.get("nd")
+    checked = 0
+    for candidate in candidates[:: max(1, len(candidates) // 12)]:
+        config, training = choice_of(candidate).config, training_of(scenario, candidate)
+        graph = plugin.build(config, scenario.model, training, scenario.topology)
+        used = {len(graph.groups[op.group]) for op in graph.ops if op.group and op.collective != "send_recv"}
+        lay = _nd_layout.layout(config, scenario.model, strategies.training_as_simulated(config, training, scenario.topology.device),
+                                scenario.topology)
+        known = set(_nd_bound.rendezvous_sizes(config, scenario.topology.num_devices, lay.dp,
+                                               scenario.model.moe is not None, _nd_layout.schedule(config)))
+        assert {x for x in used if x > 1} <= known, (candidate.label(), used, known)
+        checked += 1
+    assert checked >= 8

@@ -123,10 +123,20 @@ class Costs:
             self._work[key] = seconds
         return seconds
 
-    def late(self, group_size: int) -> float:
-        """A rendezvous of ``group_size`` ranks starts this many seconds late per second of device
-        work its ranks did since their previous rendezvous (the symmetric run's expectation)."""
-        return self.cv * expected_max_excess(group_size) if self.cv and group_size > 1 else 0.0
+    def late(self, group_size: int, rendezvous: tuple[int, ...] | None = None) -> float:
+        """A rendezvous of ``group_size`` ranks starts at least this many seconds late per second
+        of device work its ranks did since their previous rendezvous (the symmetric run's
+        expectation): the noise's cv·E[max], and, given ``rendezvous`` (every group size the
+        ranks meet), the persistent slowness's cv_p·(E[max of the group] - E[max of the
+        largest smaller group]) (``persistent_norm_s``: the waits at smaller groups since the
+        group last met add up to at most cv_p·E of the largest of them, times the work since)."""
+        if group_size <= 1:
+            return 0.0
+        seconds = self.cv * expected_max_excess(group_size) if self.cv else 0.0
+        if self.cv_persistent and rendezvous is not None:
+            smaller = max((g for g in rendezvous if g < group_size), default=1)
+            seconds += self.cv_persistent * (expected_max_excess(group_size) - expected_max_excess(smaller))
+        return seconds
 
     def collective_s(self, kind: str, size: float, ranks: Sequence[int], count: int = 1) -> float:
         if not count or size <= 0 or len(ranks) < 2:
@@ -200,7 +210,8 @@ class UnitCost:
 
 
 def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: int, pp: int,
-                  attention_keys: tuple[float, float] | None = None) -> list[UnitCost]:
+                  attention_keys: tuple[float, float] | None = None,
+                  rendezvous: tuple[int, ...] | None = None) -> list[UnitCost]:
     """Each unit's forward and backward on the compute stream. A TP or EP collective that
     directly follows a compute op rendezvouses with a stretch of device work at least that op
     long behind it, so it starts ``late(group)`` × that op's time late (``Stragglers.delay_s``:
@@ -210,10 +221,12 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
     collective's end): ``after_*_s``, which delays the next kernel on the same stream but not
     what depends on the collective itself (sends, reductions). ``attention_keys`` = (seq_len,
     tokens): the attention priced over documents of ``tokens`` mean length, the least any
-    micro-batch of variable-length sequences attends over (:func:`least_attention_keys`)."""
+    micro-batch of variable-length sequences attends over (:func:`least_attention_keys`).
+    ``rendezvous``: every group size the ranks meet (a superset), which lets the persistent
+    slowness count too (:meth:`Costs.late`); None leaves it out."""
     tp_ranks = range(deg.tp)
     ep_ranks = list(expert_placement(n, deg.ep, deg.etp, pp).group("ep", 0)) if deg.ep > 1 else []
-    late_tp = costs.late(deg.tp)
+    late_tp = costs.late(deg.tp, rendezvous)
     out = []
     for u in units:
         w = costs.work_s if attention_keys is None else (lambda work: costs.work_s(work.packed(*attention_keys)))
@@ -252,7 +265,7 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
                 # un-permute, permute's backward) waits for the straggler again (the backward's
                 # combine exchange and the full recompute's follow other ops or a collective:
                 # not counted)
-                late_ep = costs.late(deg.ep)
+                late_ep = costs.late(deg.ep, rendezvous)
                 wait_f += 2 * late_ep * (parts_f[1] + parts_f[2])
                 wait_b += 2 * late_ep * parts_b[2]
         elif not cp:  # one compute op, then the TP all-reduces
@@ -589,7 +602,8 @@ class BoundCache:
             self._costs[key] = Costs(self.topology, precision, variability)
         return self._costs[key]
 
-    def units(self, training, deg: ParallelDims, pp: int, variability: bool = True) -> list[UnitCost]:
+    def units(self, training, deg: ParallelDims, pp: int, variability: bool = True,
+              rendezvous: tuple[int, ...] | None = None) -> list[UnitCost]:
         # a unit as one model-parallel rank runs it does not depend on the pipeline or the data
         # parallelism (mp_units reads tp, cp, ep, etp, sequence parallelism, the MoE imbalance;
         # unit_costs_of the TP overlap and, for the expert groups' placement, pp): shared by them
@@ -597,11 +611,11 @@ class BoundCache:
         pp = pp if deg.ep > 1 else 1
         keys = least_attention_keys(training, self.model.seq_len, self.costs(training.precision, variability).compute)
         key = (training.micro_batch_size, training.activation_recompute, training.recompute_modules, training.fused_kernels,
-               training.attention_kernel, deg, pp, variability, keys)
+               training.attention_kernel, deg, pp, variability, keys, rendezvous)
         if key not in self._units:
             self._units[key] = unit_costs_of(self.costs(training.precision, variability),
                                              mp_units(self.model, training, dataclasses.replace(deg, pp=pp).placed(self.topology)),
-                                             deg, self.topology.num_devices, pp, keys)
+                                             deg, self.topology.num_devices, pp, keys, rendezvous)
         return self._units[key]
 
 

@@ -55,6 +55,29 @@ def _last_action(bounder: BoundCache, p: int, v: int, m: int) -> tuple[str, int,
     return table[key]
 
 
+def rendezvous_sizes(cfg: Any, n: int, dp: int, moe: bool, schedule: Schedule) -> tuple[int, ...]:
+    """Every size of group whose collectives a rank of the layout waits at (a superset; the
+    pipeline's sends are not rendezvous): TP, CP, EP and expert TP, the dense and expert
+    data-parallel groups with the ZeRO sharding's parameter, gradient and optimizer groups and
+    their replicas, a hierarchical gather's two hops and ZeRO++'s secondary group, and the
+    world (the gradient norm). ``tests/test_search.py`` checks it against built graphs."""
+    sizes = {n, cfg.tp, cfg.cp}
+    groups = [dp * cfg.cp]
+    if moe:
+        sizes |= {cfg.ep, cfg.expert_tp}
+        groups.append(n // (cfg.ep * cfg.expert_tp * cfg.pp))
+    for group in groups:
+        sizes.add(group)
+        for part in nd.sharding_sizes(cfg.sharding_stage, group):
+            sizes |= {part, group // part}
+            inner = schedule.hierarchical_gather
+            if inner > 1:
+                sizes |= {inner, max(part // inner, 1)}
+        if schedule.backward_gather_size:
+            sizes.add(schedule.backward_gather_size)
+    return tuple(sorted(x for x in sizes if x > 1))
+
+
 def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quick: bool = False) -> Bound:
     """The bounds of the ND layout ``cfg`` (``nd.bound``, and with ``refine`` ``nd.refine_bound``:
     the whole pipeline replayed too, what is too slow to compute for every candidate; with
@@ -72,9 +95,10 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
     costs = bounder.costs(training.precision, credit)
     sd = costs.slowdown
     opt_rate = optimizer_bytes_per_param(training)
-    unit_costs = bounder.units(training, deg, p, credit)
-    pre = bounder.prefix(unit_costs)
     schedule = nd.schedule(cfg)
+    unit_costs = bounder.units(training, deg, p, credit, rendezvous_sizes(cfg, n, lay.dp, bounder.model.moe is not None,
+                                                                          schedule))
+    pre = bounder.prefix(unit_costs)
     # units of each virtual stage, [lo, hi): the embedding on the first, the head on the last
     edges = [0]
     for count in lay.layers_per_virtual_stage:

@@ -4,6 +4,7 @@ synchronise with ranks running longer documents."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -137,10 +138,18 @@ def test_balancing_shortens_the_wait():
 def test_symmetric_lags_agree_with_every_rank_simulated(strategy):
     """The symmetric run tracks the ranks it does not simulate as lags; the expanded run
     simulates every rank with its own documents. They agree within 2 % (without the lags'
-    waits the symmetric ZeRO-3 and DDP runs come out 4-5 % faster than the expanded ones)."""
-    sc = scenario(LOGNORMAL, strategy=strategy, nodes=2, gbs=32)
+    waits the symmetric ZeRO-3 and DDP runs come out 4-5 % faster than the expanded ones).
+    Persistent slowness is off: its symmetric estimate prices a rendezvous's slowest device at
+    its busiest member's work, above one seed's draws where pipeline stages differ (this 4-layer
+    model's edge stages: +2.1 % for ND at seed 0, +2.0 % over seeds 0-5), an approximation of
+    its own, not of the lags."""
+    def scenario_(*args, **kwargs):
+        sc = scenario(*args, **kwargs)
+        return dataclasses.replace(sc, cluster=dataclasses.replace(sc.cluster, variability_persistent=0.0))
+
+    sc = scenario_(LOGNORMAL, strategy=strategy, nodes=2, gbs=32)
     symmetric, expanded = report(sc), report(sc, expand=True)
-    fixed = report(scenario(strategy=strategy, nodes=2, gbs=32))
+    fixed = report(scenario_(strategy=strategy, nodes=2, gbs=32))
     assert symmetric["step_time_s"] != fixed["step_time_s"]
     assert symmetric["step_time_s"] == pytest.approx(expanded["step_time_s"], rel=0.02)
 

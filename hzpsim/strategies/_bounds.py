@@ -133,10 +133,17 @@ class Costs:
         if group_size <= 1:
             return 0.0
         seconds = self.cv * expected_max_excess(group_size) if self.cv else 0.0
-        if self.cv_persistent and rendezvous is not None:
-            smaller = max((g for g in rendezvous if g < group_size), default=1)
-            seconds += self.cv_persistent * (expected_max_excess(group_size) - expected_max_excess(smaller))
+        if rendezvous is not None:
+            seconds += self.persistent(group_size, max((g for g in rendezvous if g < group_size), default=1))
         return seconds
+
+    def persistent(self, group_size: int, smaller: int) -> float:
+        """cv_p·(E[max of ``group_size``] - E[max of ``smaller``]): the least persistent wait of
+        a rendezvous per second of work since its group last met, when no group between the two
+        sizes is met (:func:`persistent_norm_s`)."""
+        if not self.cv_persistent or smaller >= group_size:
+            return 0.0
+        return self.cv_persistent * (expected_max_excess(group_size) - expected_max_excess(smaller))
 
     def collective_s(self, kind: str, size: float, ranks: Sequence[int], count: int = 1) -> float:
         if not count or size <= 0 or len(ranks) < 2:
@@ -654,10 +661,7 @@ def persistent_norm_s(costs: Costs, n: int, largest_group: int, least_step_work:
     rendezvous of size >= g total at most c·E(g) of its work there (by induction on the sizes),
     and E grows with the size. Between two norms every rank does a step of work, so X is at
     least the largest least step. Hence the wait is at least c·(E(n) - E(largest_group))·max(w)."""
-    if not costs.cv_persistent or largest_group >= n or not least_step_work:
-        return 0.0
-    e_n, e_g = expected_max_excess(n), expected_max_excess(largest_group)
-    return costs.cv_persistent * (e_n - e_g) * max(least_step_work)
+    return costs.persistent(n, largest_group) * max(least_step_work, default=0.0)
 
 
 def communicators_at_least(group_sizes: Sequence[int], pairs: int = 0) -> int:

@@ -66,15 +66,13 @@ def rendezvous_sizes(cfg: Any, n: int, dp: int, moe: bool, schedule: Schedule) -
     if moe:
         sizes |= {cfg.ep, cfg.expert_tp}
         groups.append(n // (cfg.ep * cfg.expert_tp * cfg.pp))
+    inner = schedule.hierarchical_gather
     for group in groups:
-        sizes.add(group)
+        sizes |= {group, schedule.backward_gather_size}
         for part in nd.sharding_sizes(cfg.sharding_stage, group):
             sizes |= {part, group // part}
-            inner = schedule.hierarchical_gather
             if inner > 1:
                 sizes |= {inner, max(part // inner, 1)}
-        if schedule.backward_gather_size:
-            sizes.add(schedule.backward_gather_size)
     return tuple(sorted(x for x in sizes if x > 1))
 
 

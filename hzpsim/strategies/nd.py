@@ -403,7 +403,8 @@ def label(resolved: dict) -> str:
     short = {"zero_stage": "zero", "tp": "tp", "pp": "pp", "dp": "dp", "cp": "cp", "ep": "ep", "etp": "etp", "vpp": "vpp"}
     etp, implementation = resolved.get("etp"), resolved.get("implementation") or _DEFAULT_IMPLEMENTATION
     if etp is not None and isinstance(implementation, str) and implementation in _implementations.IMPLEMENTATIONS:
-        if etp == _implementations.get(implementation).expert_tp(resolved.get("tp", 1)) or (resolved.get("ep") or 1) == 1:  # named only where it is not what the profile gives
+        default = _implementations.get(implementation).expert_tp(resolved.get("tp", 1))
+        if etp == default or (resolved.get("ep") or 1) == 1:  # named only where it is not what the profile gives
             short.pop("etp")
     return compose_label(resolved, short)
 

@@ -189,7 +189,9 @@ MIXTRAL_ARGS = """--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --
 
 @pytest.mark.parametrize("flags, expected", [
     ("", {}),
-    ("--moe-token-dispatcher-type alltoall --moe-grouped-gemm --overlap-moe-expert-parallel-comm --moe-permute-fusion",
+    # Megatron-Core's combined 1F1B needs an interleaved pipeline when pipelined
+    ("--moe-token-dispatcher-type alltoall --moe-grouped-gemm --overlap-moe-expert-parallel-comm --moe-permute-fusion "
+     "--virtual-pipeline-model-parallel-size 2",
      {"moe_dispatcher": "alltoall", "moe_grouped_gemm": True, "moe_ep_overlap": True, "moe_permute_fusion": True}),
     ("--moe-token-dispatcher-type flex --moe-flex-dispatcher-backend deepep --moe-expert-capacity-factor 1.25",
      {"moe_dispatcher": "deepep", "moe_capacity_factor": 1.25}),

@@ -117,9 +117,35 @@ def test_dispatchers_move_what_the_frameworks_move():
 
 
 def test_overlap_hides_the_exchanges():
-    plain, hidden = report(mixtral(4)), report(mixtral(4, moe_ep_overlap=True))
+    plain, hidden = report(mixtral(4, vpp=2)), report(mixtral(4, vpp=2, moe_ep_overlap=True))
     assert exposed_ep_s(hidden) < exposed_ep_s(plain)
     assert hidden["step_time_s"] < plain["step_time_s"]
+
+
+def test_the_combined_schedule_runs_its_first_forward_and_last_backward_alone():
+    """Megatron-Core's combined 1F1B pairs each forward with another micro-batch's backward;
+    the first forward and the last backward (without pipelining), the warm-up forwards and the
+    cool-down backwards (interleaved, one warm-up forward more) run alone, their exchanges
+    exposed (combined_1f1b.py, schedules.py::get_pp_rank_microbatches)."""
+    from hzpsim.strategies._nd_layout import paired, pipeline_actions, pipeline_warmup
+
+    assert pipeline_warmup(8, 4, 128, 0, True) == (8 - 0 - 1) * 2 + (4 - 1) * 8 + 1
+    assert pipeline_warmup(8, 4, 128, 7, False) == (4 - 1) * 8
+    assert pipeline_actions(1, 1, 3, 0, True) == [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1),
+                                                  ("B", 0, 2)]
+    assert paired(1, 1, 3, 0, True) == [False, True, True, True, True, False]
+    assert not any(paired(1, 1, 3, 0, False))
+
+    sc = mixtral(8, pp=1, moe_ep_overlap=True)  # 4 micro-batches per replica
+    graph = nd.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
+    lane = graph.ops[0].ranks[0]
+    exchanges = [o for o in graph.ops if o.category in ("ep_dispatch", "ep_combine") and o.step == 0
+                 and lane in o.ranks]
+    alone = [o for o in exchanges if o.stream == "compute"]
+    layers = sc.model.num_layers
+    # the first forward's and the last backward's dispatch and combine, in every layer
+    assert len(alone) == 2 * 2 * layers and len(exchanges) == 4 * 2 * 2 * layers
+    assert sum(".bwd." in o.name for o in alone) == 2 * layers
 
 
 def test_megatron_core_defaults_to_its_allgather_dispatcher_and_nemo_recipes_to_alltoall():
@@ -187,6 +213,11 @@ def test_the_search_writes_the_experts_tp_out_for_moe_models_only():
     ({"ep": 3}, "tiny-moe", "ep"),
     ({"ep": 4, "moe_capacity_factor": 0}, "tiny-moe", "moe_capacity_factor"),
     ({"ep": 4, "moe_pad_to_capacity": True}, "tiny-moe", "moe_pad_to_capacity"),
+    # what Megatron-Core asserts before its combined 1F1B (transformer_config.py)
+    ({"ep": 1, "moe_ep_overlap": True}, "tiny-moe", "moe_ep_overlap: needs expert parallelism"),
+    ({"ep": 4, "moe_ep_overlap": True, "moe_dispatcher": "allgather"}, "tiny-moe", "moe_ep_overlap: needs the alltoall"),
+    ({"ep": 4, "pp": 2, "moe_ep_overlap": True, "moe_dispatcher": "alltoall"}, "tiny-moe",
+     "moe_ep_overlap: needs an interleaved pipeline"),
     # megatron-core's etp defaults to tp: ep 4 x etp 2 does not fit a stage of 4 ranks; the message says why
     ({"tp": 2, "ep": 4, "pp": 2, "sequence_parallel": True}, "tiny-moe", "etp unset: megatron-core's default"),
     ({}, {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "ffn_hidden_size": 128, "vocab_size": 64,
@@ -205,7 +236,7 @@ def test_bad_moe_input_exits_2_naming_the_key(tmp_path, capsys, strategy, model,
 
 
 def test_a_trace_of_an_moe_step_simulates(runs):
-    sc = mixtral(4, moe_dispatcher="allgather", moe_ep_overlap=True)
+    sc = mixtral(4, vpp=2, moe_dispatcher="deepep", moe_ep_overlap=True)
     graph = nd.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
     trace = simulate(graph, sc.topology)
     assert max(trace.end_s) > 0
@@ -221,9 +252,10 @@ def test_search_bounds_stay_below_the_simulated_moe_step(gpus_per_node):
     bounder = S.Bounder(sc)
     ratios = []
     for dispatcher in ("alltoall", "allgather", "deepep"):
-        for overlap in (False, True):
-            for pp, rc in ((4, "none"), (2, "full")):
-                fields = {"tp": 1, "pp": pp, "vpp": 1, "cp": 1, "ep": 8, "zero_stage": 1, "sequence_parallel": False,
+        for overlap in (False, True) if dispatcher != "allgather" else (False,):
+            # Megatron-Core's combined 1F1B needs interleaving and refuses full recomputation
+            for pp, vpp, rc in ((4, 2, "none"), (2, 2, "selective")) if overlap else ((4, 1, "none"), (2, 1, "full")):
+                fields = {"tp": 1, "pp": pp, "vpp": vpp, "cp": 1, "ep": 8, "zero_stage": 1, "sequence_parallel": False,
                           "moe_dispatcher": dispatcher, "moe_ep_overlap": overlap}
                 candidate = S.Candidate("nd", tuple(sorted(fields.items())), 1, rc)
                 result = S.evaluate(sc, candidate)

@@ -72,6 +72,10 @@ class UnitEmitter:
 
     def __init__(self, emit: Emitter, deg: ParallelDims, group_of: Callable[[str, int], tuple[str, Ranks]]) -> None:
         self.emit, self.deg = emit, deg
+        # whether the pass being written hides its dispatch and combine behind a partner
+        # micro-batch's compute: moe_ep_overlap, except for a pass the schedule runs alone
+        # (_nd_layout.paired), which the pipeline sets before each pass
+        self.ep_overlap = deg.moe_ep_overlap
         sizes = {"tp": deg.tp, "cp": deg.cp, "ep": deg.ep, "etp": deg.etp}
         self.instances: dict[str, Instances] = {
             dim: emit.groups_for(lambda lane, dim=dim: group_of(dim, lane), sizes[dim]) for dim in sizes

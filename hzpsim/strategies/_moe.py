@@ -226,11 +226,12 @@ def exchange(ue: Any, kind: str, unit: Any, name: str, category: str, deps: Sequ
     stream after ``deps``. With ``moe_ep_overlap`` (Megatron-Core's ``combined_1f1b``: one
     micro-batch's exchanges while another computes) on the ``ep`` stream from ``hidden_deps``,
     beside the compute: the pass takes max(compute, exchanges) and the compute slows as under
-    any overlapped collective (``comm_overlap_slowdown``). That the first and last micro-batches
-    have no partner to hide behind is not modelled."""
+    any overlapped collective (``comm_overlap_slowdown``). A pass the schedule runs alone (the
+    warm-up forwards, the cool-down backwards: ``ue.ep_overlap`` false) has no partner to hide
+    behind, and its exchanges wait on the compute stream."""
     if not unit.ep_bytes:
         return None
-    overlap = ue.deg.moe_ep_overlap
+    overlap = ue.ep_overlap
     return ue.emit.collective(kind, ue.instances["ep"], unit.ep_bytes, name, category,
                               "ep" if overlap else "compute", hidden_deps if overlap else deps, step, launch=False)
 
@@ -248,7 +249,7 @@ def emit_forward(ue: Any, unit: Any, label: str, last: Any, deps: Sequence[Any],
     """After the attention block (``last``) and its TP collective: router, permute, dispatch,
     (expert-TP gather,) grouped GEMM, (reduce-scatter,) combine, un-permute, which frees what
     the forward frees."""
-    emit, moe, overlap = ue.emit, unit.moe, ue.deg.moe_ep_overlap
+    emit, moe, overlap = ue.emit, unit.moe, ue.ep_overlap
     router = emit.compute(f"fwd.router.{label}", "moe_router", moe.router, [last], step)
     permute = emit.compute(f"fwd.permute.{label}", "moe_permute", moe.permute, [router], step)
     dispatch_kind, combine_kind = unit.ep_kinds
@@ -268,7 +269,7 @@ def emit_backward(ue: Any, unit: Any, label: str, deps: Sequence[Any], step: int
     (the expert-TP reduce-scatter's backward gather,) the experts' data and weight gradients,
     (the gather's backward reduce-scatter,) the dispatch's backward exchange, the permutation's
     and the router's backward. ``alloc`` is taken by its first compute op."""
-    emit, moe, overlap = ue.emit, unit.moe, ue.deg.moe_ep_overlap
+    emit, moe, overlap = ue.emit, unit.moe, ue.ep_overlap
     dispatch_kind, combine_kind = unit.ep_kinds
     last: Sequence[Any] = deps
     if unit.ep_recomputed and unit.ep_bytes:

@@ -46,12 +46,12 @@ def _layout(bounder: BoundCache, cfg: Any, training) -> nd.Layout:
     return table[key]
 
 
-def _last_action(bounder: BoundCache, p: int, v: int, m: int) -> tuple[str, int, int]:
+def _last_action(bounder: BoundCache, p: int, v: int, m: int, ep_overlap: bool) -> tuple[str, int, int]:
     """The last action of every stage's pipeline schedule (the same on every stage)."""
     table = bounder.table("nd.last_action")
-    key = (p, v, m)
+    key = (p, v, m, ep_overlap)
     if key not in table:
-        table[key] = nd.pipeline_actions(p, v, m, 0)[-1]
+        table[key] = nd.pipeline_actions(p, v, m, 0, ep_overlap)[-1]
     return table[key]
 
 
@@ -129,7 +129,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
         placement = expert_placement(n, cfg.ep, cfg.expert_tp, p)
         expert_groups = [tuple(placement.group("edp", s * block)) for s in range(p)]
         expert_units = bounder.expert_units(unit_costs)
-    last = _last_action(bounder, p, v, m)
+    last = _last_action(bounder, p, v, m, deg.moe_ep_overlap)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
     wait_all = not schedule.effective_overlap_grad_reduce
 
@@ -298,7 +298,8 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
         group = os_ // gs if os_ > gs else dense_dp // os_
         others = (cfg.tp, cfg.cp, cfg.ep if moe else 1, gs, ps)
         first_late = costs.late(group) if group > 1 and max(others) < group and not moe else 0.0
-        piped = _nd_pipeline(costs, unit_costs, spans, p, v, m, block, lambda s: nd.pipeline_actions(p, v, m, s), stage_dp,
+        piped = _nd_pipeline(costs, unit_costs, spans, p, v, m, block,
+                             lambda s: nd.pipeline_actions(p, v, m, s, deg.moe_ep_overlap), stage_dp,
                              readies, opt_lo, wholes, schedule, first_late, os_ > ps,
                              _host_ahead(unit_costs, spans, p, v, m, training, topology, schedule, sizes, moe or cfg.cp > 1))
         norm_ready = max(norm_ready, piped)

@@ -106,6 +106,21 @@ def stage_layers(num_layers: int, pp: int, vpp: int, first: int | None, last: in
     return counts
 
 
+def ep_overlap_rules(d: ParallelDims, training: Training) -> None:
+    """What Megatron-Core asserts before it runs the combined 1F1B of
+    ``--overlap-moe-expert-parallel-comm`` (``transformer_config.py``, ``__post_init__``):
+    expert parallelism, the alltoall or flex (DeepEP) dispatcher, interleaving when pipelined,
+    and no full or MoE recomputation."""
+    if d.ep == 1:
+        raise ValueError("moe_ep_overlap: needs expert parallelism (ep > 1)")
+    if d.moe_dispatcher == "allgather":
+        raise ValueError("moe_ep_overlap: needs the alltoall or deepep dispatcher, not allgather")
+    if d.pp > 1 and d.vpp == 1:
+        raise ValueError("moe_ep_overlap: needs an interleaved pipeline (vpp > 1) when pp > 1")
+    if training.activation_recompute == "full" or "moe" in (training.recompute_modules or ()):
+        raise ValueError("moe_ep_overlap: Megatron-Core refuses it with full or moe recomputation")
+
+
 def layout(config: Any, model: Model, training: Training, topology: Topology) -> Layout:
     n, d = topology.num_devices, dims(config)
     try:
@@ -115,6 +130,8 @@ def layout(config: Any, model: Model, training: Training, topology: Topology) ->
             raise ValueError(f"{exc} (etp unset: {config.implementation}'s default, the TP size {d.etp}; "
                              f"set strategy.etp)") from None
         raise
+    if d.moe_ep_overlap:
+        ep_overlap_rules(d, training)
     layers = stage_layers(model.num_layers, d.pp, d.vpp, config.first_stage_layers, config.last_stage_layers)
     dp = d.data_parallel(n)
     placement = Placement.from_sizes(n, order=("tp", "cp", "dp", "pp"), tp=d.tp, cp=d.cp, dp=dp, pp=d.pp)
@@ -122,13 +139,32 @@ def layout(config: Any, model: Model, training: Training, topology: Topology) ->
                   placement=placement, experts=expert_placement(n, d.ep, d.etp, d.pp))
 
 
-def pipeline_actions(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+def pipeline_warmup(p: int, v: int, m: int, rank: int, ep_overlap: bool = False) -> int:
+    """Forwards pipeline rank ``rank`` runs before its first backward (Megatron-Core
+    ``schedules.py::get_pp_rank_microbatches``). With ``ep_overlap`` (the combined 1F1B of
+    ``--overlap-moe-expert-parallel-comm``) one more, so that every forward of the steady phase
+    pairs with a backward it does not depend on; without pipelining that is the first forward
+    alone (``combined_1f1b.py::combined_1f1b_schedule_for_no_pipelining``)."""
+    total = m * v
+    warmup = p - rank - 1 if v == 1 else (p - rank - 1) * 2 + (v - 1) * p
+    return min(warmup + (1 if ep_overlap else 0), total)
+
+
+def paired(p: int, v: int, m: int, rank: int, ep_overlap: bool) -> list[bool]:
+    """For each action of :func:`pipeline_actions`: whether it runs combined with a partner
+    pass of another micro-batch (the steady one-forward-one-backward phase under
+    ``ep_overlap``); the warm-up forwards and cool-down backwards run alone
+    (``combined_1f1b.py``: "executed alone, no a2a overlapping")."""
+    total = m * v
+    warmup = pipeline_warmup(p, v, m, rank, ep_overlap)
+    steady = range(warmup, warmup + 2 * (total - warmup)) if ep_overlap else range(0)
+    return [k in steady for k in range(2 * total)]
+
+
+def pipeline_actions(p: int, v: int, m: int, rank: int, ep_overlap: bool = False) -> list[tuple[str, int, int]]:
     """Megatron's schedule for one pipeline rank: ("F" | "B", model chunk, micro-batch)."""
     total = m * v
-    if v == 1:
-        warmup = min(p - rank - 1, m)
-    else:
-        warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+    warmup = pipeline_warmup(p, v, m, rank, ep_overlap)
 
     def chunk(k: int, forward: bool) -> int:
         c = (k // p) % v

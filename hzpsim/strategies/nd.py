@@ -38,6 +38,7 @@ from hzpsim.strategies._nd_layout import (  # noqa: F401 (the plugin's layout, r
     Layout,
     dims,
     layout,
+    paired,
     pipeline_actions,
     schedule,
     sharding_sizes,
@@ -267,7 +268,9 @@ class _Stage:
         self.emit = Emitter(graph, lanes, schedule.implementation)
         attach_lengths(self.emit, training, seq_len, {lane: lay.placement.coord(lane)["dp"] for lane in lanes}, lay.dp,
                        d.tp * d.cp, self.m)
-        self.actions = pipeline_actions(self.p, self.v, self.m, rank)
+        overlap = d.moe_ep_overlap
+        self.actions = pipeline_actions(self.p, self.v, self.m, rank, overlap)
+        self.paired = paired(self.p, self.v, self.m, rank, overlap)
         uses: list[Use] = []
         for step in range(training.num_steps):
             for kind, c, mb in self.actions:
@@ -312,6 +315,7 @@ class _Stage:
         progressed = False
         while not self.done():
             kind, c, mb = self.actions[self.position]
+            self.unit_pass.unit_emit.ep_overlap = self.paired[self.position]
             vs = c * self.p + self.rank
             last_vs = self.p * self.v - 1
             if kind == "F":

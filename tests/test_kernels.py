@@ -259,3 +259,44 @@ def test_batched_gemm_tiles_share_the_waves() -> None:
     ideal = 64 * 2.0 * 2048 * 2048 * 4096 / (get_device("a100-80gb").peak_bf16_flops_per_s * cm.efficiency.gemm)
     assert ideal <= one_kernel < 1.05 * ideal  # 8,192 tiles: 76 waves, nearly full
     assert Gemm(2048, 2048, 96, 1.0, 384).flops == 384 * Gemm(2048, 2048, 96).flops
+
+
+def test_a_weight_gradient_accumulated_into_fp32_pays_its_traffic() -> None:
+    """Megatron's gradient-accumulation fusion adds each weight gradient into the fp32
+    main_grad inside the GEMM (C read and written at 4 bytes): a short-K weight gradient (an
+    expert of a fine-grained MoE, 256 tokens) then runs at that traffic, not at its tiles'
+    pace; a long-K one (a dense layer's 8,192 tokens) stays compute-bound and as fast."""
+    cm = ComputeModel(get_device("h100-sxm"), "bf16")
+    hbm = get_device("h100-sxm").memory_bytes_per_s * cm.efficiency.hbm
+    data, weight = Gemm(256, 4096, 1536).backward(accumulate=True)
+    assert not data.accumulate and weight.accumulate and weight.k == 256
+    assert Gemm(256, 4096, 1536).backward()[1].accumulate is False
+    m, n, k = weight.m, weight.n, weight.k
+    fp32 = ((m * k + k * n) * 2 + m * n * 8) / hbm
+    assert cm.gemm_s(m, n, k, accumulate=True) == pytest.approx(fp32, rel=1e-12)
+    assert cm.gemm_s(m, n, k) < 0.8 * fp32
+    long_k = Gemm(8192, 4096, 1536).backward(accumulate=True)[1]
+    assert cm.gemm_s(long_k.m, long_k.n, long_k.k, accumulate=True) == cm.gemm_s(long_k.m, long_k.n, long_k.k)
+
+
+def test_megatron_profiles_accumulate_weight_gradients_in_the_gemm() -> None:
+    """The implementation profile decides (``wgrad_accumulation_fusion``): Megatron-Core and
+    Megatron-Bridge accumulate every linear's and expert's weight gradient into fp32 in the
+    GEMM, the unfused attention's score products (activations, not weights) never; FSDP2 not."""
+    from hzpsim.strategies._implementations import get as implementation
+
+    scenario = load_scenario(None, ["model.preset=qwen3-30b-a3b", "model.num_layers=2", "cluster.num_nodes=1",
+                                    "training.global_batch_size=64", "training.flash_attention=false",
+                                    "strategy.name=nd", "strategy.ep=8"])
+    dims = ParallelDims(dp=8, ep=8)
+    for name, fused in (("megatron-core", True), ("megatron-bridge", True), ("fsdp2", False)):
+        units = mp_units(scenario.model, scenario.training, dims, implementation(name))
+        moe = next(u for u in units if u.is_moe)
+        # each expert GEMM's backward: its data gradient, then its weight gradient
+        assert {g.accumulate for g in moe.moe.experts_backward.shapes[1::2]} == {fused}, name
+        assert not any(g.accumulate for g in moe.moe.experts_backward.shapes[0::2]), name
+        linears = [g for g in moe.backward.shapes if isinstance(g, Gemm) and g.batch == 1]
+        scores = [g for g in moe.backward.shapes if isinstance(g, Gemm) and g.batch > 1]
+        assert scores and not any(g.accumulate for g in scores), name
+        assert any(g.accumulate for g in linears) == fused, name
+        assert units[-1].backward.shapes[1].accumulate == fused, name  # the head's weight gradient

@@ -143,14 +143,16 @@ class ComputeModel:
         self._operand_bytes = 1 if dtype == "fp8" else (4 if dtype == "fp32" else 2)
         self._sm_rate = self._rate["gemm"] / device.num_sms if device.num_sms else 0.0
         self._attention = {k: (hd64, hd128) for k, hd64, hd128 in eff.attention_rates}
-        self._gemm_s: dict[tuple[float, float, float, float], float] = {}
+        self._gemm_s: dict[tuple[float, float, float, float, bool], float] = {}
         self._shapes_s: dict[tuple[Shape, ...], float] = {}
 
-    def gemm_s(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+    def gemm_s(self, m: float, n: float, k: float, batch: float = 1.0, accumulate: bool = False) -> float:
         """Seconds of one M×N×K GEMM (or one batched kernel of ``batch`` of them, whose tiles
         share the waves): the best tiling and split-K over the device's SMs, never faster than
-        its operands' HBM traffic (a rate-only device: FLOPs / large-GEMM rate)."""
-        key = (m, n, k, batch)
+        its operands' HBM traffic (a rate-only device: FLOPs / large-GEMM rate). ``accumulate``:
+        the output is added into fp32 (``kernels.Gemm.accumulate``), its M×N read and written
+        at 4 bytes each."""
+        key = (m, n, k, batch, accumulate)
         cached = self._gemm_s.get(key)
         if cached is not None:
             return cached
@@ -171,7 +173,8 @@ class ComputeModel:
                     reduce_s = (split - 1) * m * n * batch * 8 / self._hbm_bytes_per_s
                     # each split's tile runs K/split deep and pays the prologue and epilogue
                     best = min(best, waves * depth_s * (k / split + self.tile_overhead_k) + reduce_s)
-            memory_s = (m * k + k * n + m * n) * batch * self._operand_bytes / self._hbm_bytes_per_s
+            out_bytes = 8 if accumulate else self._operand_bytes
+            memory_s = ((m * k + k * n) * self._operand_bytes + m * n * out_bytes) * batch / self._hbm_bytes_per_s
             seconds = max(best, memory_s)
         self._gemm_s[key] = seconds
         return seconds
@@ -211,7 +214,7 @@ class ComputeModel:
             seconds = 0.0
             for s in shapes:
                 if isinstance(s, Gemm):
-                    seconds += s.calls * self.gemm_s(s.m, s.n, s.k, s.batch)
+                    seconds += s.calls * self.gemm_s(s.m, s.n, s.k, s.batch, s.accumulate)
                 else:
                     seconds += self.attention_s(s)
             self._shapes_s[shapes] = seconds
@@ -224,7 +227,7 @@ class ComputeModel:
         if op.shapes:
             for s in op.shapes:
                 if isinstance(s, Gemm):
-                    out["gemm"] += s.calls * self.gemm_s(s.m, s.n, s.k, s.batch)
+                    out["gemm"] += s.calls * self.gemm_s(s.m, s.n, s.k, s.batch, s.accumulate)
                 else:
                     out["attention"] += self.attention_s(s)
         else:

@@ -27,15 +27,21 @@ class Gemm(NamedTuple):
     k: float
     calls: float = 1.0
     batch: float = 1.0
+    accumulate: bool = False
+    """The epilogue adds the product into an fp32 buffer (C read and written in fp32, 8 bytes
+    per output element, whatever the operands): a weight gradient accumulated into the fp32
+    ``main_grad`` inside the GEMM (Megatron's gradient-accumulation fusion)."""
 
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.n * self.k * self.batch * self.calls
 
-    def backward(self) -> tuple[Gemm, Gemm]:
-        """The data-gradient (M×N)·(N×K) and weight-gradient (K×M)·(M×N) GEMMs of this one."""
+    def backward(self, accumulate: bool = False) -> tuple[Gemm, Gemm]:
+        """The data-gradient (M×N)·(N×K) and weight-gradient (K×M)·(M×N) GEMMs of this one;
+        with ``accumulate`` the weight gradient accumulates into fp32 in the GEMM itself
+        (:attr:`accumulate`: this GEMM's K×N operand is a weight)."""
         return (Gemm(self.m, self.k, self.n, self.calls, self.batch),
-                Gemm(self.k, self.n, self.m, self.calls, self.batch))
+                Gemm(self.k, self.n, self.m, self.calls, self.batch, accumulate))
 
 
 class Attention(NamedTuple):

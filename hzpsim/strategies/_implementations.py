@@ -256,6 +256,18 @@ class Implementation:
     FSDP2's ``_fsdp_param.py::FSDPParam.to_accumulated_grad_if_needed`` /
     ``accumulate_unsharded_grad_if_needed`` keep the accumulated gradient in ``reduce_dtype``).
     False: every micro-batch gathers again and reduce-scatters its own gradient."""
+    wgrad_accumulation_fusion: bool = False
+    """Each weight-gradient GEMM adds into the fp32 ``main_grad`` in its epilogue, reading and
+    writing it at 4 bytes per element every micro-batch (``kernels.Gemm.accumulate``):
+    Megatron-LM's ``gradient_accumulation_fusion``, on unless ``--no-gradient-accumulation-fusion``
+    (``megatron/training/arguments.py``@d98e8a64; since 2022-02, commit 83b1e42f), passed to TE's
+    ``Linear`` / ``GroupedLinear`` as ``fuse_wgrad_accumulation``
+    (``megatron/core/extensions/transformer_engine.py``, ``TEGroupedLinear``); Megatron-Bridge
+    turns it on wherever Transformer Engine imports (``utils/fusions.py::
+    can_enable_gradient_accumulation_fusion``@067f987d). Where K (the tokens) is small against
+    the weight, the experts of a fine-grained MoE, that traffic sets the GEMM's time. False: the
+    weight gradient is written at the operands' width (the frameworks that accumulate
+    elsewhere, or reduce every micro-batch)."""
     tp_gathers_logits: bool = False
     """Tensor parallelism: the head's vocabulary-sharded logits are all-gathered to every TP
     rank before the loss (DTensor's ``ColwiseParallel(output_layouts=Replicate())``, torchtitan
@@ -537,7 +549,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "megatron-core": Implementation(
         name="megatron-core", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
         moe_dispatcher="allgather", moe_grouped_gemm=False, moe_permute_fusion=False, expert_tp_is_tp=True,
-        attention_kernel_on=_TE_FUSED_ATTENTION,
+        attention_kernel_on=_TE_FUSED_ATTENTION, wgrad_accumulation_fusion=True,
         source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
                "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
                "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward); "
@@ -548,7 +560,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     ),
     "megatron-bridge": Implementation(
         name="megatron-bridge", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
-        attention_kernel_on=_TE_FUSED_ATTENTION, distributed_optimizer=True,
+        attention_kernel_on=_TE_FUSED_ATTENTION, distributed_optimizer=True, wgrad_accumulation_fusion=True,
         source=f"{_MEG}@d98e8a64 (megatron-core's collectives) as NVIDIA-NeMo/Megatron-Bridge@067f987d "
                "recipes configure them: src/megatron/bridge/recipes/common.py::_pretrain_common "
                "(use_distributed_optimizer=True); MoE models: src/megatron/bridge/recipes/{{deepseek,qwen,...}}: "

@@ -158,7 +158,8 @@ def permute_bytes(tokens: float, act: int, hidden: int, top_k: int) -> float:
 
 def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm], tokens: float, act: int,
               deg: ParallelDims, mode: str, router_redo: Sequence[tuple[int, int, str]],
-              fused_pointwise: bool = False, modules: frozenset[str] = frozenset()) -> MoEWork:
+              fused_pointwise: bool = False, modules: frozenset[str] = frozenset(),
+              fuse_wgrad: bool = False) -> MoEWork:
     """The router, permutation, experts and un-permutation of MoE layer ``i`` for one rank's
     ``tokens`` (:class:`MoEWork`), per micro-batch, their HBM bytes counted kernel by kernel
     [INF, after Megatron-Core ``moe/router.py::TopKRouter`` and ``moe/moe_utils.py::permute`` /
@@ -181,7 +182,9 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
     layer (``modules`` holds ``moe``: Megatron-Core's ``moe_layer.py`` checkpoints the router,
     dispatch, experts and combine together); ``moe_act`` repeats the routed experts' activation
     function (``experts.py``, ``CheckpointWithoutOutput``); per-op SAC (``op``) repeats the
-    routed GEMMs and the router's recomputed linears (``router_redo``)."""
+    routed GEMMs and the router's recomputed linears (``router_redo``). ``fuse_wgrad``: the
+    experts' and the router's weight gradients accumulate into fp32 inside their GEMMs
+    (``Implementation.wgrad_accumulation_fusion``)."""
     assert model.moe is not None
     h, k, e = model.hidden_size, model.moe.top_k, model.moe.num_experts
     per_ffn = activation_fn_bytes_per_ffn(model, fused_pointwise)
@@ -194,10 +197,10 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
     fwd_permute, fwd_unpermute = (Work(bytes_accessed=moved * cost.permute),
                                   Work(bytes_accessed=moved * cost.unpermute))
     fwd_experts = Work.of(experts, activation_bytes)
-    bwd_router = Work.of([g for shape in router_gemms for g in shape.backward()], 2 * router)
+    bwd_router = Work.of([g for shape in router_gemms for g in shape.backward(fuse_wgrad)], 2 * router)
     bwd_permute = Work(bytes_accessed=moved * cost.permute_backward)
     bwd_unpermute = Work(bytes_accessed=moved * cost.unpermute_backward)
-    bwd_experts = Work.of([g for shape in experts for g in shape.backward()], 2 * activation_bytes)
+    bwd_experts = Work.of([g for shape in experts for g in shape.backward(fuse_wgrad)], 2 * activation_bytes)
     if mode == "full" or "moe" in modules:  # the whole forward again, each kernel before its own backward
         bwd_router, bwd_permute = bwd_router + fwd_router, bwd_permute + fwd_permute
         bwd_unpermute = bwd_unpermute + fwd_unpermute

@@ -205,6 +205,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     log-softmax only and no temporaries, the least any implementation holds (the search's
     memory bound)."""
     t, c = deg.tp, deg.cp
+    fuse_wgrad = implementation is not None and implementation.wgrad_accumulation_fusion
     b = training.micro_batch_size
     tokens = b * model.seq_len
     act = 4 if training.precision == "fp32" else 2
@@ -322,7 +323,9 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
         # backward: each GEMM's data- and weight-gradient GEMMs; the attention kernel's backward;
         # its memory-bound kernels read the saved input and the output gradient and write the
         # input gradient, about twice the forward traffic [INF]
-        backward_shapes: list[Shape] = [g for shape in forward_shapes for g in shape.backward()]
+        # (a weight's gradient accumulated into fp32 in the GEMM where the framework fuses it)
+        backward_shapes: list[Shape] = [g for shape in (*attn_gemms, *mlp_gemms) for g in shape.backward(fuse_wgrad)]
+        backward_shapes += [g for shape in attn_scores for g in shape.backward()]
         backward_shapes += [a._replace(backward=True) for a in attn_core]
         backward_traffic = 2 * traffic
         if mode == "full":  # the whole forward again
@@ -352,7 +355,8 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
         if moe:  # the MLP block runs around the dispatcher: its shared experts with the attention
             pre, post = pre + post, Work()
             moe_work = _moe.moe_work(model, i, router, experts, sp_tokens, elementwise_bytes, deg, mode,
-                                     redo["router"] if mode == "op" else [], training.fused_pointwise, chosen)
+                                     redo["router"] if mode == "op" else [], training.fused_pointwise, chosen,
+                                     fuse_wgrad)
         local_bwd: list[Shape] = [s for s in backward_shapes if not isinstance(s, Attention)]
         local_bwd += [a._replace(calls=a.calls / c) for a in backward_shapes if isinstance(a, Attention)]
         backward = Work.of(local_bwd, backward_traffic)
@@ -420,7 +424,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     units.append(MPUnit(
         name="head", dense_params=(model.head_params() / t) + model.final_norm_params(),
         pre=Work.of([head_gemm], 16 * elements),
-        backward=Work.of(list(head_gemm.backward()), 14 * elements), activation_bytes=kept * loss_elements + norm_kept + held,
+        backward=Work.of(list(head_gemm.backward(fuse_wgrad)), 14 * elements), activation_bytes=kept * loss_elements + norm_kept + held,
         loss_backward_bytes=14 * elements if backward_temps else 0.0, loss_saved_bytes=kept * loss_elements,
         loss_grad_bytes=act * loss_elements if backward_temps else 0.0,
         forward_temps=tuple(b * loss_elements for b in forward_temps),

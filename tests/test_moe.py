@@ -235,6 +235,26 @@ def test_bad_moe_input_exits_2_naming_the_key(tmp_path, capsys, strategy, model,
     assert key in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("training", [{"activation_recompute": "full"},
+                                      {"activation_recompute": "selective", "recompute_modules": ["moe"]}])
+def test_the_ep_overlap_refuses_full_or_moe_recompute(tmp_path, capsys, training):
+    """Megatron-Core asserts no full and no ``moe`` recomputation under its combined 1F1B
+    (transformer_config.py); hzpsim exits 2 naming moe_ep_overlap, and runs the same layout
+    without that recompute."""
+    import yaml
+
+    scenario = {"model": "tiny-moe", "training": {"global_batch_size": 32, **training},
+                "cluster": {"preset": "dgx-h100", "num_nodes": 1},
+                "strategy": {"name": "nd", "ep": 4, "moe_ep_overlap": True, "moe_dispatcher": "alltoall"}}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(scenario))
+    assert main(["run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "moe_ep_overlap: Megatron-Core refuses it with full or moe recomputation" in err, err
+    path.write_text(yaml.safe_dump({**scenario, "training": {"global_batch_size": 32}}))
+    assert main(["run", str(path)]) == 0
+
+
 def test_a_trace_of_an_moe_step_simulates(runs):
     sc = mixtral(4, vpp=2, moe_dispatcher="deepep", moe_ep_overlap=True)
     graph = nd.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)

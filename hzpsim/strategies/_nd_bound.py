@@ -46,12 +46,13 @@ def _layout(bounder: BoundCache, cfg: Any, training) -> nd.Layout:
     return table[key]
 
 
-def _last_action(bounder: BoundCache, p: int, v: int, m: int, ep_overlap: bool) -> tuple[str, int, int]:
-    """The last action of every stage's pipeline schedule (the same on every stage)."""
+def _last_action(bounder: BoundCache, p: int, v: int, m: int) -> tuple[str, int, int]:
+    """The last action of every stage's pipeline schedule (the same on every stage, and with
+    or without the combined 1F1B's extra warm-up forward)."""
     table = bounder.table("nd.last_action")
-    key = (p, v, m, ep_overlap)
+    key = (p, v, m)
     if key not in table:
-        table[key] = nd.pipeline_actions(p, v, m, 0, ep_overlap)[-1]
+        table[key] = nd.pipeline_actions(p, v, m, 0)[-1]
     return table[key]
 
 
@@ -129,7 +130,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
         placement = expert_placement(n, cfg.ep, cfg.expert_tp, p)
         expert_groups = [tuple(placement.group("edp", s * block)) for s in range(p)]
         expert_units = bounder.expert_units(unit_costs)
-    last = _last_action(bounder, p, v, m, deg.moe_ep_overlap)
+    last = _last_action(bounder, p, v, m)
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
     wait_all = not schedule.effective_overlap_grad_reduce
 

@@ -235,3 +235,28 @@ def test_megatron_recompute_modules_import_as_the_module_list(capsys, tmp_path, 
     assert ("recompute_modules" in training) == ("recompute_modules" in expected)
     resolved = report(load_scenario_text(text, tmp_path))["training_resolved"]
     assert resolved["recompute_modules"] == expected.get("recompute_modules", ["core_attn"])
+
+
+@pytest.mark.parametrize("flags, recipe", [
+    ("--fp8-format hybrid", "delayed"),  # unset: Megatron-Core's TransformerConfig default
+    ("--fp8-format hybrid --fp8-recipe tensorwise", "tensorwise"),
+    ("--fp8-format e4m3 --fp8-recipe mxfp8", "mxfp8"),
+])
+def test_megatron_fp8_recipe_imports(capsys, tmp_path, flags, recipe):
+    path = tmp_path / "args.txt"
+    path.write_text(MIXTRAL_ARGS.format(moe="").replace("--bf16", flags))
+    text = imported(capsys, "megatron", str(path), "--nodes", "8")
+    training = yaml.safe_load(text)["training"]
+    assert training["precision"] == "fp8"
+    assert training.get("fp8_recipe", "delayed") == recipe
+    assert report(load_scenario_text(text, tmp_path))["training_resolved"]["fp8_recipe"] == recipe
+
+
+@pytest.mark.parametrize("flags, needle", [
+    ("--fp8-format hybrid --fp8-recipe custom", "--fp8-recipe"),
+    ("--bf16 --fp8-recipe tensorwise", "--fp8-recipe"),
+])
+def test_megatron_fp8_recipe_refused(capsys, tmp_path, flags, needle):
+    path = tmp_path / "args.txt"
+    path.write_text(MIXTRAL_ARGS.format(moe="").replace("--bf16", flags))
+    assert needle in error(capsys, "megatron", str(path), "--nodes", "8")

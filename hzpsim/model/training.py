@@ -11,6 +11,8 @@ from hzpsim.model.sequences import SequenceLengths
 Precision = Literal["bf16", "fp16", "fp8", "fp32"]
 AttentionKernel = Literal["auto", "flash2", "flash3", "cudnn", "triton", "unfused"]
 ATTENTION_KERNELS = ("flash2", "flash3", "cudnn", "triton", "unfused")
+Fp8Recipe = Literal["auto", "fused", "delayed", "tensorwise", "mxfp8", "blockwise"]
+FP8_RECIPES = ("fused", "delayed", "tensorwise", "mxfp8", "blockwise")
 
 
 # Llama 3 (Dubey et al. 2024, arXiv 2407.21783, section 3.3.4): 419 unexpected interruptions in a
@@ -76,6 +78,9 @@ class Training:
     # kernels, GEMM inputs cast to `precision` (LLM-Foundry amp_bf16); false = pure bf16 (Megatron, FSDP2)
     attention_kernel: AttentionKernel = "auto"  # the fused attention kernel family; "auto" = the
     # device's usual one (hardware/compute.py DEFAULT_ATTENTION_KERNEL); "unfused" = flash_attention false
+    fp8_recipe: Fp8Recipe = "auto"  # how fp8 GEMM operands are scaled and cast (precision fp8 only;
+    # Megatron-Core's --fp8-recipe names, strategies/_layers.py FP8_QUANTIZE_BYTES): "fused" = the casts ride
+    # in the producing kernels (torch.compile'd torchao float8); "auto" = the implementation's default
     compile: bool = False  # torch.compile: pointwise kernels fused between GEMMs (fewer launches,
     # less HBM traffic); false = eager
     fused_kernels: bool = False  # the model code fuses its pointwise kernels by hand, as Megatron-LM
@@ -111,6 +116,11 @@ class Training:
                 f"attention_kernel: {self.attention_kernel!r} is a fused kernel but flash_attention is false "
                 "(unfused attention); set attention_kernel: unfused or flash_attention: true"
             )
+        if self.fp8_recipe != "auto" and self.precision != "fp8":
+            raise ValueError(f"fp8_recipe: {self.fp8_recipe!r} scales fp8 GEMM operands, but precision is "
+                             f"{self.precision!r}; set precision: fp8 or drop fp8_recipe")
+        if self.fp8_recipe not in ("auto", *FP8_RECIPES):
+            raise ValueError(f"fp8_recipe: {self.fp8_recipe!r} is not one of auto, {', '.join(FP8_RECIPES)}")
         if not 2 <= self.num_steps <= 100:
             raise ValueError("num_steps: must be between 2 and 100 (the last step is reported)")
         if self.total_tokens is not None and not self.total_tokens > 0:

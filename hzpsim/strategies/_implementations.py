@@ -268,6 +268,15 @@ class Implementation:
     the weight, the experts of a fine-grained MoE, that traffic sets the GEMM's time. False: the
     weight gradient is written at the operands' width (the frameworks that accumulate
     elsewhere, or reduce every micro-batch)."""
+    fp8_recipe: Literal["fused", "delayed", "tensorwise", "mxfp8", "blockwise"] = "fused"
+    """How an fp8 run (``training.precision: fp8``) scales and casts its GEMM operands unless
+    ``training.fp8_recipe`` says (``_layers.FP8_QUANTIZE_BYTES``: the standalone quantisation
+    kernels each recipe runs). Megatron-Core defaults to Transformer Engine's delayed scaling
+    (``megatron/core/transformer/transformer_config.py::TransformerConfig.fp8_recipe``@d98e8a64:
+    ``"delayed"``), Megatron-Bridge to per-tensor current scaling
+    (``src/megatron/bridge/training/mixed_precision.py::MixedPrecisionConfig.fp8_recipe``@v0.4.2:
+    ``"tensorwise"``). ``fused``: the casts ride in their producing kernels, as torch.compile
+    fuses torchao's float8 casts (torchtitan) — the frameworks without Transformer Engine."""
     tp_gathers_logits: bool = False
     """Tensor parallelism: the head's vocabulary-sharded logits are all-gathered to every TP
     rank before the loss (DTensor's ``ColwiseParallel(output_layouts=Replicate())``, torchtitan
@@ -382,10 +391,12 @@ class Implementation:
         by default in Megatron-LM's ``arguments.py`` (``--no-bias-gelu-fusion`` etc. turn them
         off), Transformer Engine's fused norms) fuses the pointwise kernels, and an ``auto``
         attention kernel is the one the framework picks on this device
-        (:attr:`attention_kernel_on`). The same object when nothing changes."""
+        (:attr:`attention_kernel_on`), and an fp8 run's ``auto`` recipe is :attr:`fp8_recipe`. The same object when nothing changes."""
         changes: dict[str, Any] = {}
         if not self.eager_model_code and not training.fused_kernels:
             changes["fused_kernels"] = True
+        if training.fp8_recipe == "auto" and training.precision == "fp8":
+            changes["fp8_recipe"] = self.fp8_recipe
         if training.attention_kernel == "auto" and training.fused_attention:
             on = dict(self.attention_kernel_on)
             kernel = on.get(device.efficiency.gemm_constant or "") or on.get(device.name)
@@ -549,7 +560,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "megatron-core": Implementation(
         name="megatron-core", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
         moe_dispatcher="allgather", moe_grouped_gemm=False, moe_permute_fusion=False, expert_tp_is_tp=True,
-        attention_kernel_on=_TE_FUSED_ATTENTION, wgrad_accumulation_fusion=True,
+        attention_kernel_on=_TE_FUSED_ATTENTION, wgrad_accumulation_fusion=True, fp8_recipe="delayed",
         source=f"{_MEG}@d98e8a64:megatron/core/distributed/param_and_grad_buffer.py::"
                "_ParamAndGradBucketGroup.start_grad_sync (reduce_scatter per bucket, overlapped with the "
                "last backward), start_param_sync (all_gather per bucket, one-ahead before each forward); "
@@ -561,6 +572,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
     "megatron-bridge": Implementation(
         name="megatron-bridge", loss="vocab-parallel", eager_model_code=False, reduce="bucket", reduce_bucket_elements=4e7,
         attention_kernel_on=_TE_FUSED_ATTENTION, distributed_optimizer=True, wgrad_accumulation_fusion=True,
+        fp8_recipe="tensorwise",
         source=f"{_MEG}@d98e8a64 (megatron-core's collectives) as NVIDIA-NeMo/Megatron-Bridge@067f987d "
                "recipes configure them: src/megatron/bridge/recipes/common.py::_pretrain_common "
                "(use_distributed_optimizer=True); MoE models: src/megatron/bridge/recipes/{{deepseek,qwen,...}}: "

@@ -17,7 +17,7 @@ from hzpsim.model import Model
 from hzpsim.model.activations import activation_fn_bytes_per_ffn
 from hzpsim.model.kernels import Gemm
 from hzpsim.strategies._dims import ParallelDims
-from hzpsim.strategies._layers import Work, linear_gemms
+from hzpsim.strategies._layers import Work, fp8_quantize_bytes, linear_gemms
 
 
 class MoEWork(NamedTuple):
@@ -159,7 +159,7 @@ def permute_bytes(tokens: float, act: int, hidden: int, top_k: int) -> float:
 def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm], tokens: float, act: int,
               deg: ParallelDims, mode: str, router_redo: Sequence[tuple[int, int, str]],
               fused_pointwise: bool = False, modules: frozenset[str] = frozenset(),
-              fuse_wgrad: bool = False) -> MoEWork:
+              fuse_wgrad: bool = False, fp8_recipe: str = "fused") -> MoEWork:
     """The router, permutation, experts and un-permutation of MoE layer ``i`` for one rank's
     ``tokens`` (:class:`MoEWork`), per micro-batch, their HBM bytes counted kernel by kernel
     [INF, after Megatron-Core ``moe/router.py::TopKRouter`` and ``moe/moe_utils.py::permute`` /
@@ -184,7 +184,11 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
     function (``experts.py``, ``CheckpointWithoutOutput``); per-op SAC (``op``) repeats the
     routed GEMMs and the router's recomputed linears (``router_redo``). ``fuse_wgrad``: the
     experts' and the router's weight gradients accumulate into fp32 inside their GEMMs
-    (``Implementation.wgrad_accumulation_fusion``)."""
+    (``Implementation.wgrad_accumulation_fusion``). ``fp8_recipe``: the fp8 quantisation kernels
+    around the grouped GEMMs (``_layers.fp8_quantize_bytes``: the permuted tokens and the
+    activation function's output before them, each output gradient after them; Transformer
+    Engine's ``GroupedLinear`` quantises its inputs split by expert, ``module/grouped_linear.py``),
+    forward again where the experts' forward is recomputed."""
     assert model.moe is not None
     h, k, e = model.hidden_size, model.moe.top_k, model.moe.num_experts
     per_ffn = activation_fn_bytes_per_ffn(model, fused_pointwise)
@@ -196,11 +200,14 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
     fwd_router = Work.of(router_gemms, router)
     fwd_permute, fwd_unpermute = (Work(bytes_accessed=moved * cost.permute),
                                   Work(bytes_accessed=moved * cost.unpermute))
-    fwd_experts = Work.of(experts, activation_bytes)
+    quantize_fwd, quantize_bwd = fp8_quantize_bytes(model.layer_linears(i)["expert"], routed, deg.etp, False,
+                                                    fp8_recipe, normed_input=False)
+    fwd_experts = Work.of(experts, activation_bytes + quantize_fwd)
     bwd_router = Work.of([g for shape in router_gemms for g in shape.backward(fuse_wgrad)], 2 * router)
     bwd_permute = Work(bytes_accessed=moved * cost.permute_backward)
     bwd_unpermute = Work(bytes_accessed=moved * cost.unpermute_backward)
-    bwd_experts = Work.of([g for shape in experts for g in shape.backward(fuse_wgrad)], 2 * activation_bytes)
+    bwd_experts = Work.of([g for shape in experts for g in shape.backward(fuse_wgrad)],
+                          2 * activation_bytes + quantize_bwd)
     if mode == "full" or "moe" in modules:  # the whole forward again, each kernel before its own backward
         bwd_router, bwd_permute = bwd_router + fwd_router, bwd_permute + fwd_permute
         bwd_unpermute = bwd_unpermute + fwd_unpermute
@@ -208,7 +215,7 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
     elif "moe_act" in modules:  # the activation function again, before the experts' backward
         bwd_experts = bwd_experts + Work(bytes_accessed=activation_bytes)
     elif mode == "op":
-        bwd_experts = bwd_experts + fwd_experts
+        bwd_experts = bwd_experts + fwd_experts  # (its quantisation with it)
         bwd_router = bwd_router + Work.of(linear_gemms(router_redo, tokens, 1))
     return MoEWork(fwd_router, fwd_permute, fwd_experts, fwd_unpermute, bwd_router, bwd_permute, bwd_experts,
                    bwd_unpermute)

@@ -22,7 +22,7 @@ from hzpsim.model.training import Training
 from hzpsim.strategies import _moe
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._implementations import Implementation, loss_bytes_per_logit
-from hzpsim.strategies._layers import Work, linear_gemms
+from hzpsim.strategies._layers import Work, fp8_quantize_bytes, linear_gemms
 from hzpsim.strategies._moe import MoEWork
 
 
@@ -221,6 +221,11 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     eager = implementation is not None and implementation.eager_model_code and not training.fused_pointwise
     gathered_inputs = implementation is not None and implementation.sp_saves_gathered_inputs
     float8 = training.precision == "fp8"
+    # the fp8 recipe's quantisation kernels (_layers.fp8_quantize_bytes); none for the bounds
+    # (implementation None: the least) and where torch.compile fuses the casts
+    fp8_recipe = "fused"
+    if float8 and implementation is not None:
+        fp8_recipe = implementation.fp8_recipe if training.fp8_recipe == "auto" else training.fp8_recipe
     units: list[MPUnit] = []
 
     lookup = Work(bytes_accessed=2.0 * local * h * act / (t if deg.sequence_parallel else 1))
@@ -347,16 +352,26 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             redo = model.op_sac_recomputed_linears(i, float8=float8)
             backward_shapes += [*linear_gemms(redo["attention"], local, t), *linear_gemms(redo["mlp"], local, t), *attn_scores]
             backward_traffic += traffic
+        # fp8: each block's operands quantised (the attention's input out of its norm; the MLP's
+        # too in a dense layer, where TE's LayerNormMLP-style linear fuses the norm, but not in
+        # an MoE layer, whose pre-MLP norm stands alone), again where the forward is recomputed
+        q_attn = fp8_quantize_bytes(linears["attention"], local, t, deg.sequence_parallel, fp8_recipe, True)
+        q_mlp = fp8_quantize_bytes(linears["mlp"], local, t, deg.sequence_parallel, fp8_recipe, not moe)
+        backward_traffic += q_attn[1] + q_mlp[1]
+        if mode in ("full", "op"):
+            backward_traffic += q_attn[0] + q_mlp[0]
+        elif mode == "selective" and (("mlp" in chosen and not moe) or (moe and ("shared_experts" in chosen or "moe" in chosen))):
+            backward_traffic += q_mlp[0]
         attn_local = Work.of(attn_core).scaled(1 / c) if c > 1 else Work.of(attn_core)
         attn_remote = Work.of(attn_core).scaled(1 - 1 / c) if c > 1 else Work()
-        pre = Work.of(pre_shapes, traffic * 0.5) + attn_local
-        post = Work.of(mlp_gemms, traffic * 0.5)
+        pre = Work.of(pre_shapes, traffic * 0.5 + q_attn[0]) + attn_local
+        post = Work.of(mlp_gemms, traffic * 0.5 + q_mlp[0])
         moe_work = None
         if moe:  # the MLP block runs around the dispatcher: its shared experts with the attention
             pre, post = pre + post, Work()
             moe_work = _moe.moe_work(model, i, router, experts, sp_tokens, elementwise_bytes, deg, mode,
                                      redo["router"] if mode == "op" else [], training.fused_pointwise, chosen,
-                                     fuse_wgrad)
+                                     fuse_wgrad, fp8_recipe)
         local_bwd: list[Shape] = [s for s in backward_shapes if not isinstance(s, Attention)]
         local_bwd += [a._replace(calls=a.calls / c) for a in backward_shapes if isinstance(a, Attention)]
         backward = Work.of(local_bwd, backward_traffic)

@@ -125,10 +125,30 @@ def map_precision(text: str, device: str) -> tuple[str, list[str]]:
         if t.startswith(p):
             return p, []
     if t.startswith("mxfp8"):  # block-scaled FP8 (OCP MX): Blackwell's tensor cores run it at the FP8 rate
-        return "fp8", [f"precision {text!r} -> fp8 (MXFP8 runs at the FP8 tensor-core peak; its scaling is not modelled)"]
+        return "fp8", [f"precision {text!r} -> fp8 (MXFP8 runs at the FP8 tensor-core peak)"]
     fallback = "fp16" if device == "v100" else "bf16"
     what = f"precision {text!r}" if t else "precision blank"
     return fallback, [f"{what} -> {fallback} (same peak as the alternative on this device)"]
+
+
+FP8_RECIPE_WORDS = (("current scaling", "tensorwise"), ("mxfp8", "mxfp8"), ("blockwise", "blockwise"),
+                    ("delayed", "delayed"))
+"""Words of a row's precision that state its fp8 recipe (Transformer Engine's), and the recipe."""
+
+
+def map_fp8_recipe(text: str, system: str = "") -> tuple[str | None, list[str]]:
+    """The fp8 recipe a row's precision states (:data:`FP8_RECIPE_WORDS`: 'fp8 (current scaling)'
+    -> tensorwise, 'mxfp8' -> mxfp8, 'fp8 (blockwise ...)' -> blockwise); a NeMo 24.xx container
+    (2024) ran Transformer Engine 1.x, whose only fp8 recipe is delayed scaling
+    (``transformer_engine/common/recipe.py``@v1.8: ``DelayedScaling``; current and block scaling
+    came with 2.x); else None: the implementation profile's default (``Implementation.fp8_recipe``)."""
+    t = text.lower()
+    for words, recipe in FP8_RECIPE_WORDS:
+        if words in t:
+            return recipe, [f"precision {text!r} -> fp8_recipe {recipe}"]
+    if re.search(r"nemo 24\.\d\d", system.lower()):
+        return "delayed", [f"system {system!r}: Transformer Engine 1.x, fp8_recipe delayed (its only fp8 recipe)"]
+    return None, []
 
 
 def map_recompute(text: str, system: str = "") -> tuple[str, list[str]]:
@@ -545,6 +565,10 @@ def case_from_row(row: dict[str, Any], index: int, need_measurement: bool = True
             # now dot_product_attention/utils.py::get_attention_backend)
             training["attention_kernel"] = "cudnn"
             assumptions.append("Transformer Engine on Hopper: cuDNN fused attention (attention_kernel cudnn)")
+        recipe, a = map_fp8_recipe(cell_text(row, "precision"), cell_text(row, "system")) if precision == "fp8" else (None, [])
+        if recipe:
+            training["fp8_recipe"] = recipe
+            assumptions += a
         if "amp" in cell_text(row, "precision").lower():
             training["autocast"] = True
             assumptions.append("precision 'amp': torch.autocast (fp32 residual stream, casts before GEMMs)")

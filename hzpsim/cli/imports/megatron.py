@@ -32,7 +32,7 @@ READ: dict[str, Callable[[str], Any] | type] = {
     "add-qkv-bias": bool, "qk-layernorm": bool, "hidden-dropout": float, "attention-dropout": float,
     "num-experts": int, "moe-router-topk": int, "moe-ffn-hidden-size": int, "moe-layer-freq": int,
     "moe-shared-expert-intermediate-size": int, "micro-batch-size": int, "global-batch-size": int,
-    "bf16": bool, "fp16": bool, "fp8-format": str, "accumulate-allreduce-grads-in-fp32": bool,
+    "bf16": bool, "fp16": bool, "fp8-format": str, "fp8-recipe": str, "accumulate-allreduce-grads-in-fp32": bool,
     "recompute-granularity": str, "recompute-method": str, "recompute-num-layers": int,
     "recompute-modules": str, "recompute-activations": bool, "checkpoint-activations": bool, "activations-checkpoint-method": str,
     "activations-checkpoint-num-layers": int, "tensor-model-parallel-size": int,
@@ -339,6 +339,13 @@ def _training(draft: Draft, a: _Args, dp: int, era: str, old: list[str]) -> None
         if fmt not in ("e4m3", "hybrid"):
             raise ScenarioError(f"--fp8-format: {fmt!r} is not modelled (e4m3 or hybrid)")
         draft.set("training.precision", "fp8")
+        if a.has("fp8-recipe"):  # tensorwise | delayed | mxfp8 | blockwise (megatron/training/arguments.py)
+            recipe = a.get("fp8-recipe")
+            if recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):
+                raise ScenarioError(f"--fp8-recipe: {recipe!r} is not modelled (delayed, tensorwise, mxfp8 or blockwise)")
+            draft.set("training.fp8_recipe", recipe)
+    elif a.has("fp8-recipe"):
+        raise ScenarioError("--fp8-recipe: given without --fp8-format (the run is not fp8)")
     elif a.has("bf16"):
         draft.set("training.precision", "bf16")
     elif a.has("fp16"):

@@ -269,6 +269,9 @@ def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str, base
         topology.device.peak_flops_per_s(training.precision)
     except ValueError as exc:
         raise ScenarioError(f"training.precision: {exc}") from None
+    if training.fp8_recipe == "mxfp8" and not topology.device.mx_formats:
+        raise ScenarioError(f"training.fp8_recipe: mxfp8 needs tensor cores that run MX formats (compute capability "
+                            f"10.0+, e.g. b200, gb200); {topology.device.name} has none")
     kernels = topology.device.attention_kernels
     if training.fused_attention and training.attention_kernel != "auto" and kernels and training.attention_kernel not in kernels:
         raise ScenarioError(f"training.attention_kernel: {training.attention_kernel!r} does not run on "

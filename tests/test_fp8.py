@@ -143,3 +143,13 @@ def test_a_dense_layer_pays_exactly_its_blocks_quantisation() -> None:
     (f0, b0), (f1, b1) = layer("fused"), layer("delayed")
     assert f1 - f0 == pytest.approx(attn[0] + mlp[0]) and attn[0] > 0
     assert b1 - b0 == pytest.approx(attn[1] + mlp[1])
+
+
+def test_mxfp8_needs_a_device_that_runs_mx_formats(capsys: pytest.CaptureFixture[str]) -> None:
+    """Transformer Engine refuses MXFP8 below compute capability 10.0; so does hzpsim (exit 2
+    naming the key), and runs it on a B200."""
+    base = ["run", "--set", "model.preset=llama3-8b", "--set", "cluster.num_nodes=1", "--set", "training.precision=fp8",
+            "--set", "training.fp8_recipe=mxfp8", "--set", "strategy.name=nd"]
+    assert main([*base, "--set", "cluster.preset=dgx-h100"]) == 2
+    assert "training.fp8_recipe: mxfp8" in capsys.readouterr().err
+    assert main([*base, "--set", "cluster.preset=dgx-b200"]) == 0

@@ -94,6 +94,7 @@ class Device:
     tdp_w: float | None = None  # board power the peak clock is specified at
     power_limit_w: float | None = None  # power cap the device runs under; None = tdp_w
     attention_kernels: tuple[str, ...] = ()  # fused attention kernel families that run on it
+    mx_formats: bool = False  # tensor cores run block-scaled MX formats (MXFP8: training.fp8_recipe mxfp8)
     # (training.attention_kernel); () = not tracked (attention at one fused-kernel rate)
     efficiency: Efficiency = field(default_factory=lambda: Efficiency(
         gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="peaks are measured rates",
@@ -218,6 +219,7 @@ class Device:
             "nominal_memory_gb": self.nominal_memory_gb, "num_sms": self.num_sms, "tdp_w": self.tdp_w,
             "power_limit_w": self.power_limit_w,
             "default_cluster_preset": self.default_cluster_preset, "attention_kernels": list(self.attention_kernels),
+            "mx_formats": self.mx_formats or None,
             "efficiency": {"gemm": e.gemm, "gemm_fp8": e.gemm_fp8, "attention_forward": e.attention_forward,
                            "attention_backward": e.attention_backward, "hbm": e.hbm,
                            "comm_overlap_slowdown": e.comm_overlap_slowdown, "attention_fraction": e.attention_fraction,
@@ -331,7 +333,7 @@ def device_from_mapping(data: Any, where: str) -> Device:
     r = _Reader(data, where)
     known = {"name", "source", "peak_flops_per_s", "memory_bytes", "memory_bytes_per_s", "nominal_memory_gb",
              "num_sms", "tdp_w", "power_limit_w", "default_cluster_preset", "attention_kernels", "efficiency",
-             "host", "gemm_sweep", "memory"}
+             "host", "gemm_sweep", "memory", "mx_formats"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ValueError(f"{where}: {unknown[0]}: unknown field (known: {', '.join(sorted(known))})")
@@ -394,6 +396,7 @@ def device_from_mapping(data: Any, where: str) -> Device:
         default_cluster_preset=r.text("default_cluster_preset", required=True),  # type: ignore[arg-type]
         nominal_memory_gb=r.number("nominal_memory_gb"), num_sms=sms, tdp_w=r.number("tdp_w"),
         power_limit_w=r.number("power_limit_w"), attention_kernels=tuple(kernels), efficiency=efficiency,
+        mx_formats=r.flag("mx_formats", False),
         path=path,
         kernel_launch_s=h.number("kernel_launch_s"), collective_call_s=h.number("collective_call_s"),
         synchronous_host=h.flag("synchronous", False),

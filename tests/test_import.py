@@ -237,15 +237,15 @@ def test_megatron_recompute_modules_import_as_the_module_list(capsys, tmp_path, 
     assert resolved["recompute_modules"] == expected.get("recompute_modules", ["core_attn"])
 
 
-@pytest.mark.parametrize("flags, recipe", [
-    ("--fp8-format hybrid", "delayed"),  # unset: Megatron-Core's TransformerConfig default
-    ("--fp8-format hybrid --fp8-recipe tensorwise", "tensorwise"),
-    ("--fp8-format e4m3 --fp8-recipe mxfp8", "mxfp8"),
+@pytest.mark.parametrize("flags, recipe, preset", [
+    ("--fp8-format hybrid", "delayed", "dgx-h100"),  # unset: Megatron-Core's TransformerConfig default
+    ("--fp8-format hybrid --fp8-recipe tensorwise", "tensorwise", "dgx-h100"),
+    ("--fp8-format e4m3 --fp8-recipe mxfp8", "mxfp8", "dgx-b200"),  # MXFP8 needs Blackwell
 ])
-def test_megatron_fp8_recipe_imports(capsys, tmp_path, flags, recipe):
+def test_megatron_fp8_recipe_imports(capsys, tmp_path, flags, recipe, preset):
     path = tmp_path / "args.txt"
     path.write_text(MIXTRAL_ARGS.format(moe="").replace("--bf16", flags))
-    text = imported(capsys, "megatron", str(path), "--nodes", "8")
+    text = imported(capsys, "megatron", str(path), "--nodes", "8", "--preset", preset)
     training = yaml.safe_load(text)["training"]
     assert training["precision"] == "fp8"
     assert training.get("fp8_recipe", "delayed") == recipe
@@ -255,6 +255,7 @@ def test_megatron_fp8_recipe_imports(capsys, tmp_path, flags, recipe):
 @pytest.mark.parametrize("flags, needle", [
     ("--fp8-format hybrid --fp8-recipe custom", "--fp8-recipe"),
     ("--bf16 --fp8-recipe tensorwise", "--fp8-recipe"),
+    ("--fp8-format e4m3 --fp8-recipe mxfp8", "fp8_recipe: mxfp8 needs"),  # on the default H100
 ])
 def test_megatron_fp8_recipe_refused(capsys, tmp_path, flags, needle):
     path = tmp_path / "args.txt"

@@ -94,8 +94,8 @@ class Device:
     tdp_w: float | None = None  # board power the peak clock is specified at
     power_limit_w: float | None = None  # power cap the device runs under; None = tdp_w
     attention_kernels: tuple[str, ...] = ()  # fused attention kernel families that run on it
-    mx_formats: bool = False  # tensor cores run block-scaled MX formats (MXFP8: training.fp8_recipe mxfp8)
     # (training.attention_kernel); () = not tracked (attention at one fused-kernel rate)
+    mx_formats: bool = False  # tensor cores run block-scaled MX formats (MXFP8: training.fp8_recipe mxfp8)
     efficiency: Efficiency = field(default_factory=lambda: Efficiency(
         gemm=1.0, attention_forward=1.0, attention_backward=1.0, hbm=1.0, source="peaks are measured rates",
         fitted_constants=False))

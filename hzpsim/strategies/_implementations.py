@@ -396,13 +396,20 @@ class Implementation:
         if not self.eager_model_code and not training.fused_kernels:
             changes["fused_kernels"] = True
         if training.fp8_recipe == "auto" and training.precision == "fp8":
-            changes["fp8_recipe"] = self.fp8_recipe
+            changes["fp8_recipe"] = self.fp8_recipe_for(training)
         if training.attention_kernel == "auto" and training.fused_attention:
             on = dict(self.attention_kernel_on)
             kernel = on.get(device.efficiency.gemm_constant or "") or on.get(device.name)
             if kernel and kernel in device.attention_kernels:
                 changes["attention_kernel"] = kernel
         return replace(training, **changes) if changes else training
+
+    def fp8_recipe_for(self, training: Training) -> str:
+        """The recipe an fp8 run of ``training`` quantises its GEMM operands with: the
+        scenario's, or :attr:`fp8_recipe` for ``auto`` ("fused", no kernels, for a run not in fp8)."""
+        if training.precision != "fp8":
+            return "fused"
+        return self.fp8_recipe if training.fp8_recipe == "auto" else training.fp8_recipe
 
     def on_device(self, device: Device) -> Implementation:
         """This profile with the host costs measured on ``device`` (``hzpsim calibrate

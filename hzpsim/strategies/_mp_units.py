@@ -223,9 +223,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     float8 = training.precision == "fp8"
     # the fp8 recipe's quantisation kernels (_layers.fp8_quantize_bytes); none for the bounds
     # (implementation None: the least) and where torch.compile fuses the casts
-    fp8_recipe = "fused"
-    if float8 and implementation is not None:
-        fp8_recipe = implementation.fp8_recipe if training.fp8_recipe == "auto" else training.fp8_recipe
+    fp8_recipe = implementation.fp8_recipe_for(training) if implementation is not None else "fused"
     units: list[MPUnit] = []
 
     lookup = Work(bytes_accessed=2.0 * local * h * act / (t if deg.sequence_parallel else 1))

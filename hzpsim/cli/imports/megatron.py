@@ -17,6 +17,7 @@ from typing import Any
 from hzpsim.cli.imports import shell
 from hzpsim.cli.imports.common import Draft, fill_cluster, implementation, read_text
 from hzpsim.config import ScenarioError
+from hzpsim.model.training import FP8_RECIPES
 
 ARGS = "megatron/training/arguments.py"
 VALIDATE = f"{ARGS}::validate_args"
@@ -340,9 +341,9 @@ def _training(draft: Draft, a: _Args, dp: int, era: str, old: list[str]) -> None
             raise ScenarioError(f"--fp8-format: {fmt!r} is not modelled (e4m3 or hybrid)")
         draft.set("training.precision", "fp8")
         if a.has("fp8-recipe"):  # tensorwise | delayed | mxfp8 | blockwise (megatron/training/arguments.py)
-            recipe = a.get("fp8-recipe")
-            if recipe not in ("delayed", "tensorwise", "mxfp8", "blockwise"):
-                raise ScenarioError(f"--fp8-recipe: {recipe!r} is not modelled (delayed, tensorwise, mxfp8 or blockwise)")
+            recipe, known = a.get("fp8-recipe"), [r for r in FP8_RECIPES if r != "fused"]  # fused: no TE recipe
+            if recipe not in known:
+                raise ScenarioError(f"--fp8-recipe: {recipe!r} is not modelled ({', '.join(known)})")
             draft.set("training.fp8_recipe", recipe)
     elif a.has("fp8-recipe"):
         raise ScenarioError("--fp8-recipe: given without --fp8-format (the run is not fp8)")

@@ -216,6 +216,30 @@ def test_moe_rows_state_expert_tensor_parallelism(cases):
     zoo = [c for c in cases if c.source_id == "S21" and 218 <= c.row_index <= 225]
     assert len(zoo) == 8 and all(c.scenario_mapping["strategy"]["etp"] == 1 for c in zoo)
 
+
+def test_rows_state_tp_comm_overlap(cases):
+    """A row's ``tp_comm_overlap`` (Transformer Engine's userbuffer overlap as its launch config
+    sets it) hides all but one of the TP shards' transfers, both passes; ``false`` and blank
+    hide none; anything else, or ``true`` without TP > 1 and sequence parallelism (NeMo turns
+    it off there), skips the row naming the column. S11's v24.11.1 configs and Megatron-Bridge
+    0.2.1's Llama-3.1-405B recipe state it on; the Qwen3-235B and DeepSeek-V3 H100 configs off."""
+    nd = dict(system="Megatron-Core", strategy_family="nd", model_name="GPT-tiny", tp=4.0, dp=4.0,
+              zero_stage=None, sharding_group=None)
+    on = case_from_row(_row(**nd, tp_comm_overlap="true"), 0).scenario_mapping["strategy"]
+    assert on["tp_comm_overlap"] == pytest.approx(3 / 4) and "tp_comm_overlap_backward" not in on
+    assert "tp_comm_overlap" not in case_from_row(_row(**nd, tp_comm_overlap="false"), 1).scenario_mapping["strategy"]
+    assert "tp_comm_overlap" not in case_from_row(_row(**nd), 2).scenario_mapping["strategy"]
+    assert case_from_row(_row(**nd, tp_comm_overlap="on"), 3).skip_reason == "tp_comm_overlap: 'on' is not true or false"
+    tp1 = case_from_row(_row(**{**nd, "tp": 1.0, "dp": 16.0}, tp_comm_overlap="true"), 4)
+    assert tp1.skip_reason == "tp_comm_overlap: true needs tp > 1 with sequence parallelism"
+    # a stated false outranks notes that mention the overlap
+    told = case_from_row(_row(**nd, tp_comm_overlap="false", notes="tp-comm-overlap"), 5)
+    assert "tp_comm_overlap" not in told.scenario_mapping["strategy"]
+    stated = {c.row_index: c.scenario_mapping["strategy"].get("tp_comm_overlap") for c in cases
+              if c.row_index in (123, 124, 125, 126, 137, 138, 139, 140, 146, 147, 199, 205)}
+    assert stated == {123: 0.75, 124: 0.75, 125: 0.75, 126: 0.875, 137: 0.75, 138: 0.75, 139: 0.75, 140: 0.75,
+                      146: 0.875, 147: None, 199: None, 205: None}
+
 def test_parse_inter_node():
     assert parse_inter_node("1600 Gbps node-to-node RoCE", 8) == pytest.approx(25e9)
     assert parse_inter_node("RDMA 400Gb/s per GPU (8x400Gb/s per host)", 8) == pytest.approx(50e9)

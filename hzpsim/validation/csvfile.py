@@ -33,10 +33,10 @@ REQUIRED_COLUMNS = (
 )
 """Every column the mapping reads (cells may be blank; the column must exist)."""
 OPTIONAL_COLUMNS = ("intra_node_link", "moe_dispatcher", "moe_ep_overlap", "moe_grouped_gemm", "moe_permute_fusion",
-                    "etp")
+                    "etp", "tp_comm_overlap")
 """Columns the mapping reads when present (the NVLink domain, the MoE dispatcher, EP overlap,
-grouped expert GEMMs, fused permutation and expert tensor parallelism a row states); a CSV
-without them maps as if they were blank."""
+grouped expert GEMMs, fused permutation, expert tensor parallelism and TP communication
+overlap a row states); a CSV without them maps as if they were blank."""
 
 
 def _csv_text(file: Path) -> str:

@@ -589,7 +589,15 @@ def case_from_row(row: dict[str, Any], index: int, need_measurement: bool = True
         if "offload" in text:
             caveats.append("CPU offload of optimizer states / activations is not modelled")
         tp = strategy.get("tp", 1)
-        if tp > 1 and ("async tp" in text or "asynctp" in text or "tp-comm-overlap" in text):
+        stated_overlap = cell_text(row, "tp_comm_overlap").lower()
+        if stated_overlap not in ("", "true", "false"):
+            raise RowSkipped(f"tp_comm_overlap: {stated_overlap!r} is not true or false")
+        if stated_overlap == "true" and not (tp > 1 and strategy.get("sequence_parallel")):
+            # Megatron-Bridge / NeMo turn the userbuffer overlap off below TP 2 or without
+            # sequence parallelism (training/comm_overlap.py::CommOverlapConfig._get_model_comm_overlap_cfgs)
+            raise RowSkipped("tp_comm_overlap: true needs tp > 1 with sequence parallelism")
+        if stated_overlap == "true" or (stated_overlap == "" and tp > 1 and (
+                "async tp" in text or "asynctp" in text or "tp-comm-overlap" in text)):
             # async TP (torch/distributed/_symmetric_memory/__init__.py:
             # _fused_all_gather_matmul_impl / _fused_matmul_reduce_scatter_impl) and TE's
             # tp-comm-overlap split each TP all-gather / reduce-scatter into t shards and run the

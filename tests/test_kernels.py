@@ -72,6 +72,32 @@ def test_unit_shapes_give_the_model_formula_flops(tp: int, cp: int, fused: bool,
         2 * (gemm + attention) + extra, rel=1e-12)
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full", "op"])
+@pytest.mark.parametrize("fused_kernels,dropout", [(True, True), (False, False)])
+def test_unfused_attention_moves_its_score_kernels_bytes(recompute: str, fused_kernels: bool, dropout: bool) -> None:
+    """Unfused attention adds, per head and query-key pair, the bytes of the kernels between
+    the score and value GEMMs: Megatron's causal fused softmax reads the lower half of the
+    scores and writes the square (1.5·B), its backward reads two lower halves and writes
+    the square (2·B); eager mask + softmax 4·B / 5·B; dropout 2·B + 1 each way. The forward
+    is charged again wherever the attention core is recomputed (selective's ``core_attn``
+    included), and the GEMMs' own operand bytes are not charged twice."""
+    tp, b = 2, 2
+    model = _model(dropout=dropout)
+    base = dict(global_batch_size=64, micro_batch_size=b, activation_recompute=recompute, fused_kernels=fused_kernels)
+    dims = ParallelDims(tp=tp, dp=1, sequence_parallel=True)
+    flash = mp_units(model, Training(flash_attention=True, **base), dims)[1]  # type: ignore[arg-type]
+    plain = mp_units(model, Training(flash_attention=False, **base), dims)[1]  # type: ignore[arg-type]
+    pairs = model.num_heads / tp * b * model.seq_len * model.seq_len
+    forward, backward = (1.5 * 2, 2.0 * 2) if fused_kernels else (4.0 * 2, 5.0 * 2)
+    if dropout:
+        forward, backward = forward + 5, backward + 5
+    again = {"none": 0.0, "selective": forward, "full": forward, "op": forward}[recompute]
+    assert (plain.pre.bytes_accessed - flash.pre.bytes_accessed) == pytest.approx(forward * pairs, rel=1e-12)
+    assert plain.post.bytes_accessed == pytest.approx(flash.post.bytes_accessed, rel=1e-12)
+    assert (plain.backward.bytes_accessed - flash.backward.bytes_accessed) == pytest.approx(
+        (backward + again) * pairs, rel=1e-12)
+
+
 def test_per_op_checkpointing_follows_torchtitans_policy() -> None:
     """torchtitan's per-op SAC saves every mm output but every second one (Llama: wk, wo and w3
     run again), saves nothing of float8's _scaled_mm, keeps the reduce-scatters' outputs and

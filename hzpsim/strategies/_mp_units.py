@@ -191,6 +191,38 @@ def _tp_calls(role: str, per_pass: int, deg: ParallelDims, recompute: str, mlp_a
 _FUSED_BY_COMPILE = {"norms": 1.0, "residual_adds": 2.0 / 3.0, "dropouts": 1.0 / 5.0}
 
 
+def score_bytes_per_pair(act: int, dropout: bool, fused: bool) -> tuple[float, float]:
+    """HBM bytes of unfused causal attention's memory-bound kernels per head and query-key
+    pair, forward and backward, with B = ``act`` bytes per element. The kernels between the
+    score GEMM (``baddbmm``) and the value GEMM (``bmm``), Megatron-LM v2.5
+    ``megatron/model/transformer.py::ParallelAttention.forward`` (``CoreAttention`` from 23.04):
+
+    - ``fused`` (Megatron's ``FusedScaleMaskSoftmax`` with the causal mask,
+      ``fused_kernels/scaled_upper_triang_masked_softmax.h``): the forward kernel loads only
+      the elements at or below the diagonal (``element_index < local_seq``, half the square)
+      and stores every element, the masked ones as zeros: B/2 + B. Its backward loads the
+      output gradient and the saved probabilities below the diagonal and stores the whole
+      input gradient: B/2 + B/2 + B.
+    - eager (PyTorch's ``masked_fill_`` then ``softmax``, the same module's unfused branch):
+      the mask pass reads and writes the square (2B), the softmax reads and writes it (2B);
+      backward ``_softmax_backward_data`` reads the gradient and the output and writes (3B)
+      and ``masked_fill``'s backward reads and writes the gradient (2B).
+    - dropout on the probabilities (``native_dropout``: read B, write B and a 1-byte mask;
+      ``native_dropout_backward``: read the gradient and the mask, write B), where the model
+      has dropout.
+
+    The score GEMM's write and the value GEMM's read of the probabilities are the GEMMs' own
+    operands (``ComputeModel.gemm_s``), not counted here. Megatron-LM v2.5 takes the fused
+    kernel only for keys up to 2048 (``FusedScaleMaskSoftmax.forward``'s
+    ``custom_kernel_constraint``; later versions raised it); longer sequences with
+    ``fused_kernels`` are still charged the fused kernel's bytes."""
+    forward, backward = (1.5 * act, 2.0 * act) if fused else (4.0 * act, 5.0 * act)
+    if dropout:
+        forward += 2 * act + 1
+        backward += 2 * act + 1
+    return forward, backward
+
+
 LOSS_KERNELS_BACKWARD = 5
 """Eager kernels of the loss's backward (ones_like, nll_loss_backward,
 _log_softmax_backward_data, view, the cast back: counted in the head's ``kernels_backward``)."""
@@ -295,10 +327,14 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             ffn = (model.moe.top_k * model.moe.expert_ffn_hidden_size) if model.is_moe_layer(i) and model.moe else model.ffn_hidden_size
             traffic += 6 * (2 * h + model.num_heads * d / t + ffn / t)
         traffic *= local
+        # unfused attention: the memory-bound kernels between the score and value GEMMs, over
+        # this rank's heads and every query-key pair (score_bytes_per_pair); the GEMMs' own
+        # reads and writes of the scores are in their shapes (ComputeModel.gemm_s)
+        score_fwd = score_bwd = 0.0
         if not fused:
-            # scores written, softmax read + written, dropout read + written + 1-byte mask,
-            # probabilities read by the value GEMM: (6·B + 1) bytes per head per query-key pair
-            traffic += (6 * act + 1) * model.num_heads / t * local * model.seq_len
+            pairs = model.num_heads / t * local * model.seq_len
+            per_pair = score_bytes_per_pair(act, model.dropout, training.fused_pointwise)
+            score_fwd, score_bwd = per_pair[0] * pairs, per_pair[1] * pairs
         norms = model.norm_params_per_layer()
         experts: list[Gemm] = []
         router: list[Gemm] = []
@@ -330,13 +366,14 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
         backward_shapes: list[Shape] = [g for shape in (*attn_gemms, *mlp_gemms) for g in shape.backward(fuse_wgrad)]
         backward_shapes += [g for shape in attn_scores for g in shape.backward()]
         backward_shapes += [a._replace(backward=True) for a in attn_core]
-        backward_traffic = 2 * traffic
+        backward_traffic = 2 * traffic + score_bwd
         if mode == "full":  # the whole forward again
             backward_shapes += [*forward_shapes, *attn_core]
-            backward_traffic += traffic
+            backward_traffic += traffic + score_fwd
         elif mode == "selective":  # the modules recompute_modules names (checkpointing.RECOMPUTE_MODULES)
-            if "core_attn" in chosen:  # the attention core again
+            if "core_attn" in chosen:  # the attention core again: its softmax and dropout too
                 backward_shapes += [*attn_core, *attn_scores]
+                backward_traffic += score_fwd
             if "mla_up_proj" in chosen:  # the up-projections again (RoPE: not counted for MLA)
                 backward_shapes += linear_gemms(mla_up_projections(model), local, t)
             if ("mlp" in chosen and not moe) or (moe and ("shared_experts" in chosen or "moe" in chosen)):
@@ -349,7 +386,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
         elif mode == "op":  # per-op SAC: the linears not saved and every memory-bound kernel
             redo = model.op_sac_recomputed_linears(i, float8=float8)
             backward_shapes += [*linear_gemms(redo["attention"], local, t), *linear_gemms(redo["mlp"], local, t), *attn_scores]
-            backward_traffic += traffic
+            backward_traffic += traffic + score_fwd
         # fp8: each block's operands quantised (the attention's input out of its norm; the MLP's
         # too in a dense layer, where TE's LayerNormMLP-style linear fuses the norm, but not in
         # an MoE layer, whose pre-MLP norm stands alone), again where the forward is recomputed
@@ -362,7 +399,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             backward_traffic += q_mlp[0]
         attn_local = Work.of(attn_core).scaled(1 / c) if c > 1 else Work.of(attn_core)
         attn_remote = Work.of(attn_core).scaled(1 - 1 / c) if c > 1 else Work()
-        pre = Work.of(pre_shapes, traffic * 0.5 + q_attn[0]) + attn_local
+        pre = Work.of(pre_shapes, traffic * 0.5 + score_fwd + q_attn[0]) + attn_local
         post = Work.of(mlp_gemms, traffic * 0.5 + q_mlp[0])
         moe_work = None
         if moe:  # the MLP block runs around the dispatcher: its shared experts with the attention

@@ -240,6 +240,7 @@ def test_rows_state_tp_comm_overlap(cases):
     assert stated == {123: 0.75, 124: 0.75, 125: 0.75, 126: 0.875, 137: 0.75, 138: 0.75, 139: 0.75, 140: 0.75,
                       146: 0.875, 147: None, 199: None, 205: None}
 
+
 def test_parse_inter_node():
     assert parse_inter_node("1600 Gbps node-to-node RoCE", 8) == pytest.approx(25e9)
     assert parse_inter_node("RDMA 400Gb/s per GPU (8x400Gb/s per host)", 8) == pytest.approx(50e9)

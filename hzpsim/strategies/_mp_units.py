@@ -215,7 +215,8 @@ def score_bytes_per_pair(act: int, dropout: bool, fused: bool) -> tuple[float, f
     operands (``ComputeModel.gemm_s``), not counted here. Megatron-LM v2.5 takes the fused
     kernel only for keys up to 2048 (``FusedScaleMaskSoftmax.forward``'s
     ``custom_kernel_constraint``; later versions raised it); longer sequences with
-    ``fused_kernels`` are still charged the fused kernel's bytes."""
+    ``fused_kernels`` are still charged the fused kernel's bytes, and so is ``compile``
+    (``Training.fused_pointwise``), whose fused softmax is not counted on its own."""
     forward, backward = (1.5 * act, 2.0 * act) if fused else (4.0 * act, 5.0 * act)
     if dropout:
         forward += 2 * act + 1

@@ -166,6 +166,87 @@ def activation_fn_bytes_per_ffn(model: Model, fused: bool) -> int:
     return 3 if fused else 5
 
 
+def activation_fn_backward_bytes_per_ffn(model: Model, fused: bool) -> int:
+    """HBM bytes the MLP's activation function's backward moves per element of one B-byte
+    intermediate, in units of B (:func:`activation_fn_bytes_per_ffn` is the forward's), kernel
+    by kernel:
+
+    - GELU: ``gelu_backward`` reads the output gradient and the saved input and writes the
+      input gradient: 3.
+    - SwiGLU, eager: ``mul``'s backward is two products, the gate branch's gradient
+      (reads the output gradient and ``up``, writes) and ``up``'s (reads it and ``silu``'s
+      saved output, writes): 6; ``silu_backward`` reads the gradient and the saved gate and
+      writes: 3. Together 9.
+    - SwiGLU, fused (Megatron-Core's ``fused_bias_swiglu.py::SwiGLUFunction.backward``, one
+      jitted ``swiglu_back``; Inductor's one kernel): reads the output gradient, the gate and
+      ``up``, writes both input gradients: 5."""
+    if model.mlp != "swiglu":
+        return 3
+    return 5 if fused else 9
+
+
+def input_gradient_adds(model: Model, i: int) -> int:
+    """The eager adds in layer ``i``'s backward that sum the input gradients of the linears
+    reading one tensor (autograd's ``InputBuffer::accumulate``; each moves 3·B·h per token):
+    separate q, k and v projections (a fused QKV weight, GPT's, needs none), MLA's query and
+    compressed-KV projections, SwiGLU's gate and up; in an MoE layer the block's input feeds
+    the router, the token permutation and each shared expert. ``Model.layer_kernels_forward``
+    counts the same adds among the ops it dispatches."""
+    attention = 1 if model.mla is not None else (len(model.layer_linears(i)["attention"]) - 2)
+    per_mlp = 2 if model.mlp == "swiglu" else 1
+    if model.is_moe_layer(i):
+        assert model.moe is not None
+        return attention + 1 + model.moe.num_shared_experts * per_mlp
+    return attention + per_mlp - 1
+
+
+def elementwise_backward_over_forward(model: Model, name: str, act_bytes: int = 2,
+                                      fusion: str = "eager") -> float:
+    """HBM bytes the backward of the memory-bound term ``name`` of
+    :func:`elementwise_bytes_per_token` moves, over what that term's eager forward moves,
+    counted kernel by kernel from each op's autograd formula (``tools/autograd/derivatives.yaml``)
+    [INF]. ``fusion``: ``"eager"``; ``"compile"`` (torch.compile: Inductor fuses the backward's
+    pointwise ops as it fuses the forward's); ``"hand"`` (Megatron-LM / Transformer Engine's
+    hand-fused forward kernels, whose backwards stay apart). B = ``act_bytes``, per token:
+
+    - ``norms``: ``native_layer_norm_backward`` (and Apex / Transformer Engine's LayerNorm and
+      RMSNorm backward kernels) reads the output gradient and the saved input (the per-token
+      statistics are O(1)) and writes the input gradient: 3·B·h against 2·B·h, in every mode.
+      The weight's gradient is a per-block reduction, O(h).
+    - ``residual_adds``: an add has no backward kernel (its gradient passes to both summands),
+      but the residual stream feeds two consumers, the block and the skip, and autograd sums
+      their gradients (``InputBuffer::accumulate``): reads two, writes one, the add's own 3·B·h
+      (eager; ``hand``: Megatron's ``bias_dropout_add`` backward leaves that sum to autograd).
+      ``compile``: Inductor folds the sum into the norm's backward kernel, one more read, B·h.
+    - ``dropouts``: ``native_dropout_backward`` reads the gradient and the 1-byte mask and
+      writes the branch's gradient: 2·B·h + h, as the forward (``hand`` too: the jitted
+      ``bias_dropout_add``'s backward is that product). ``compile``: the gradient is already
+      in the norm's backward kernel, which reads the mask and writes the branch's gradient
+      besides the skip's: B·h + h.
+    - ``rope``: the backward rotates Q's and K's gradients by the opposite angle, reading and
+      writing each (Megatron-Core's fused RoPE kernel likewise): as the forward.
+    - ``permute``: a permutation's backward is the inverse permutation: as the forward.
+    - ``activation_fn``: :func:`activation_fn_backward_bytes_per_ffn` (fused unless eager)
+      over :func:`activation_fn_bytes_per_ffn` (eager).
+
+    A GPT layer (MHA, GELU, 4h, dropout, B = 2), eager, moves 58·h bytes per token in its
+    backward (norms 12, residual adds 12, dropouts 10, GELU 24) against its forward's 46·h; it
+    was charged 2× the forward, 92·h."""
+    if fusion not in ("eager", "compile", "hand"):
+        raise ValueError(f"fusion: {fusion!r} is not one of: eager, compile, hand")
+    if name == "activation_fn":
+        return activation_fn_backward_bytes_per_ffn(model, fusion != "eager") / activation_fn_bytes_per_ffn(model, False)
+    if name == "norms":
+        return 1.5
+    if name == "residual_adds":
+        return 1 / 3 if fusion == "compile" else 1.0
+    if name == "dropouts":
+        return (act_bytes + 1) / (2 * act_bytes + 1) if fusion == "compile" else 1.0
+    if name in ("rope", "permute"):
+        return 1.0
+    raise ValueError(f"unknown memory-bound term {name!r}")
+
+
 def elementwise_bytes_per_token(model: Model, i: int, act_bytes: int = 2) -> dict[str, tuple[float, str]]:
     """HBM bytes the memory-bound kernels of layer ``i``'s forward move per token, eager and
     unfused (bias adds are fused into GEMM epilogues and not counted) [INF, counted kernel

@@ -1,9 +1,8 @@
 """Units of work shared by every strategy: FLOPs by kernel class plus memory-bound bytes.
 
-Memory-bound traffic [INF]: every stored activation is written once in the forward and read
-once in the backward, where the gradient of the same size is also written, so a layer's
-norm / activation-function / residual / dropout kernels move about its activation bytes in the
-forward and twice that in the backward (see ``_mp_units.mp_units``).
+Memory-bound traffic [INF]: a layer's norm / activation-function / residual / dropout kernels,
+counted kernel by kernel, forward (``activations.elementwise_bytes_per_token``) and backward
+(``activations.elementwise_backward_over_forward``; see ``_mp_units.mp_units``).
 """
 
 from __future__ import annotations

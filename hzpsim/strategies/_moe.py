@@ -14,7 +14,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from hzpsim.model import Model
-from hzpsim.model.activations import activation_fn_bytes_per_ffn
+from hzpsim.model.activations import (
+    activation_fn_backward_bytes_per_ffn,
+    activation_fn_bytes_per_ffn,
+)
 from hzpsim.model.kernels import Gemm
 from hzpsim.strategies._dims import ParallelDims
 from hzpsim.strategies._layers import Work, fp8_quantize_bytes, linear_gemms
@@ -168,7 +171,7 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
     - router: the gating GEMM writes E logits per token; softmax (or sigmoid) reads them and
       writes fp32 scores, top-k reads those and writes k fp32 probabilities and k int64
       indices, the load-balancing loss reads the scores once more: (B + 12)·E + 12·k bytes
-      per token; its backward about twice that (``moe_work``: as every memory-bound kernel);
+      per token; its backward about twice that (not counted kernel by kernel);
     - permute: reads each token once and writes its k copies in expert order, (1 + k)·B·h;
       un-permute reads the k copies back, scales them by their probabilities and writes the
       sum, the same bytes; the backward of each moves as much again. Unfused
@@ -176,7 +179,9 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
       that (:data:`UNFUSED_PERMUTE`);
     - experts: the grouped GEMMs (:func:`expert_gemms`) and the activation function over the
       busiest rank's copies (SwiGLU 5·B·f eager, 3·B·f fused by ``fused_pointwise``; GELU
-      2·B·f: ``activations.activation_fn_bytes_per_ffn``), weights and intermediate split by etp.
+      2·B·f: ``activations.activation_fn_bytes_per_ffn``; its backward SwiGLU 9·B·f eager,
+      5·B·f fused, GELU 3·B·f: ``activation_fn_backward_bytes_per_ffn``), weights and
+      intermediate split by etp.
 
     The full recompute repeats the whole forward, and so does selective recompute of the MoE
     layer (``modules`` holds ``moe``: Megatron-Core's ``moe_layer.py`` checkpoints the router,
@@ -206,8 +211,10 @@ def moe_work(model: Model, i: int, router_gemms: list[Gemm], experts: list[Gemm]
     bwd_router = Work.of([g for shape in router_gemms for g in shape.backward(fuse_wgrad)], 2 * router)
     bwd_permute = Work(bytes_accessed=moved * cost.permute_backward)
     bwd_unpermute = Work(bytes_accessed=moved * cost.unpermute_backward)
+    # the activation function's backward, kernel by kernel (activation_fn_backward_bytes_per_ffn)
+    activation_bwd = activation_bytes * activation_fn_backward_bytes_per_ffn(model, fused_pointwise) / per_ffn
     bwd_experts = Work.of([g for shape in experts for g in shape.backward(fuse_wgrad)],
-                          2 * activation_bytes + quantize_bwd)
+                          activation_bwd + quantize_bwd)
     if mode == "full" or "moe" in modules:  # the whole forward again, each kernel before its own backward
         bwd_router, bwd_permute = bwd_router + fwd_router, bwd_permute + fwd_permute
         bwd_unpermute = bwd_unpermute + fwd_unpermute

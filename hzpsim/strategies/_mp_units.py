@@ -14,7 +14,11 @@ from functools import cached_property
 from typing import Any, NamedTuple
 
 from hzpsim.model import Model
-from hzpsim.model.activations import activation_fn_bytes_per_ffn
+from hzpsim.model.activations import (
+    activation_fn_bytes_per_ffn,
+    elementwise_backward_over_forward,
+    input_gradient_adds,
+)
 from hzpsim.model.checkpointing import mla_up_projections, recomputed_norms
 from hzpsim.model.kernels import Attention, Gemm, Shape
 from hzpsim.model.ops import MemoryDelta, memory_delta
@@ -278,6 +282,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     ))
     kv_per_rank = max(model.kv_heads / t, 1.0)
     fused = training.fused_attention
+    fusion = "compile" if training.compile else "hand" if training.fused_kernels else "eager"
     d_qk, d_v = model.head_dim_resolved, model.v_head_dim_resolved
     heads = b * model.num_heads / t  # (batch × heads) this rank attends for
     if fused:  # one flash-style kernel; causal: the kernel skips the masked half
@@ -306,7 +311,7 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             flash_attention=fused, cp=c, act_bytes=act, float8=float8, eager=eager, gathered_inputs=gathered_inputs,
             moe_load=deg.moe_load, modules=training.recompute_modules,
         )
-        traffic = 0.0
+        traffic = traffic_bwd = 0.0  # the memory-bound kernels' bytes, forward and backward
         by_term: dict[str, float] = {}  # each term's share of the traffic (selective recompute's)
         moe = model.is_moe_layer(i)
         for name, (per_token, kind) in model.elementwise_bytes_per_token(i, elementwise_bytes).items():
@@ -317,17 +322,25 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
                 per_token *= (model.moe.num_shared_experts * model.moe.shared_ffn_resolved) / (
                     model.moe.top_k * model.moe.expert_ffn_hidden_size
                     + model.moe.num_shared_experts * model.moe.shared_ffn_resolved)
+            per_token /= t if kind == "split" or deg.sequence_parallel else 1
+            # each kernel's backward, counted from its autograd formula (the eager forward's multiple)
+            traffic_bwd += per_token * elementwise_backward_over_forward(model, name, elementwise_bytes, fusion)
             if training.fused_pointwise and name in _FUSED_BY_COMPILE:
                 per_token *= _FUSED_BY_COMPILE[name]
             elif training.fused_pointwise and name == "activation_fn":
                 per_token *= activation_fn_bytes_per_ffn(model, True) / activation_fn_bytes_per_ffn(model, False)
-            by_term[name] = per_token / (t if kind == "split" or deg.sequence_parallel else 1)
+            by_term[name] = per_token
             traffic += by_term[name]
-        if training.autocast:  # each GEMM input is cast fp32 -> bf16: read 4, write 2 bytes
+        if eager:  # separate projections reading one input (q, k, v; gate and up): autograd sums
+            # their input gradients, one eager add each (3·B·h per token; Model.layer_kernels_forward)
+            traffic_bwd += 3 * elementwise_bytes * h * input_gradient_adds(model, i) / (t if deg.sequence_parallel else 1)
+        if training.autocast:  # each GEMM input is cast fp32 -> bf16: read 4, write 2 bytes; its
+            # backward casts the gradient back (read 2, write 4)
             d = model.head_dim_resolved
             ffn = (model.moe.top_k * model.moe.expert_ffn_hidden_size) if model.is_moe_layer(i) and model.moe else model.ffn_hidden_size
-            traffic += 6 * (2 * h + model.num_heads * d / t + ffn / t)
-        traffic *= local
+            casts = 6 * (2 * h + model.num_heads * d / t + ffn / t)
+            traffic, traffic_bwd = traffic + casts, traffic_bwd + casts
+        traffic, traffic_bwd = traffic * local, traffic_bwd * local
         # unfused attention: the memory-bound kernels between the score and value GEMMs, over
         # this rank's heads and every query-key pair (score_bytes_per_pair); the GEMMs' own
         # reads and writes of the scores are in their shapes (ComputeModel.gemm_s)
@@ -361,13 +374,12 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
         # operand instead of a 2-byte one. Eager torchao float8 (unfused casts) is not modelled.
         forward_shapes: list[Gemm] = [*pre_shapes, *mlp_gemms]  # the MoE ops apart (_moe.moe_work)
         # backward: each GEMM's data- and weight-gradient GEMMs; the attention kernel's backward;
-        # its memory-bound kernels read the saved input and the output gradient and write the
-        # input gradient, about twice the forward traffic [INF]
+        # the memory-bound kernels' backwards, each counted (traffic_bwd)
         # (a weight's gradient accumulated into fp32 in the GEMM where the framework fuses it)
         backward_shapes: list[Shape] = [g for shape in (*attn_gemms, *mlp_gemms) for g in shape.backward(fuse_wgrad)]
         backward_shapes += [g for shape in attn_scores for g in shape.backward()]
         backward_shapes += [a._replace(backward=True) for a in attn_core]
-        backward_traffic = 2 * traffic + score_bwd
+        backward_traffic = traffic_bwd + score_bwd
         if mode == "full":  # the whole forward again
             backward_shapes += [*forward_shapes, *attn_core]
             backward_traffic += traffic + score_fwd

@@ -373,8 +373,10 @@ def test_compile_fuses_pointwise_kernels_and_is_faster() -> None:
     eager, compiled = _run([]), _run(["training.compile=true"])
     assert compiled["step_time_s"] < eager["step_time_s"]
     assert compiled["mfu"] > eager["mfu"]
-    # Megatron / Transformer Engine model code fuses the same kernels by hand
-    assert _run(["training.fused_kernels=true"])["step_time_s"] == compiled["step_time_s"]
+    # Megatron / Transformer Engine model code fuses the same forward kernels by hand, but its
+    # backward kernels stay apart where Inductor fuses them too (elementwise_backward_over_forward)
+    hand = _run(["training.fused_kernels=true"])
+    assert compiled["step_time_s"] < hand["step_time_s"] < eager["step_time_s"]
 
 
 def test_power_limit_is_a_cluster_field_and_checked() -> None:

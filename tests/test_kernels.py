@@ -101,7 +101,7 @@ def test_unfused_attention_moves_its_score_kernels_bytes(recompute: str, fused_k
 #: ATen ops that move no data (views, metadata) or only O(1) scalars
 _NO_DATA = {"view", "_unsafe_view", "t", "transpose", "expand", "unsqueeze", "squeeze", "slice", "detach",
             "alias", "as_strided", "permute", "select", "split", "chunk", "unbind", "empty", "empty_like",
-            "zeros_like", "ones_like", "new_empty_strided", "clone_", "_to_copy_"}
+            "zeros_like", "ones_like", "new_empty_strided"}
 
 
 def _aten_bytes(forward, inputs):

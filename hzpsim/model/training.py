@@ -151,6 +151,14 @@ class Training:
         return self.compile or self.fused_kernels
 
     @property
+    def pointwise_fusion(self) -> str:
+        """How the pointwise kernels are fused: ``"compile"`` (Inductor fuses the forward's and
+        the backward's), ``"hand"`` (Megatron-LM / Transformer Engine's hand-fused forward
+        kernels; the backwards stay apart) or ``"eager"``
+        (``activations.elementwise_backward_over_forward``)."""
+        return "compile" if self.compile else "hand" if self.fused_kernels else "eager"
+
+    @property
     def fused_attention(self) -> bool:
         """Attention runs as one fused (flash-style) kernel: scores never reach HBM."""
         return self.flash_attention and self.attention_kernel != "unfused"

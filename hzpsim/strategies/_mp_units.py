@@ -282,7 +282,6 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     ))
     kv_per_rank = max(model.kv_heads / t, 1.0)
     fused = training.fused_attention
-    fusion = "compile" if training.compile else "hand" if training.fused_kernels else "eager"
     d_qk, d_v = model.head_dim_resolved, model.v_head_dim_resolved
     heads = b * model.num_heads / t  # (batch × heads) this rank attends for
     if fused:  # one flash-style kernel; causal: the kernel skips the masked half
@@ -324,7 +323,8 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
                     + model.moe.num_shared_experts * model.moe.shared_ffn_resolved)
             per_token /= t if kind == "split" or deg.sequence_parallel else 1
             # each kernel's backward, counted from its autograd formula (the eager forward's multiple)
-            traffic_bwd += per_token * elementwise_backward_over_forward(model, name, elementwise_bytes, fusion)
+            traffic_bwd += per_token * elementwise_backward_over_forward(model, name, elementwise_bytes,
+                                                                        training.pointwise_fusion)
             if training.fused_pointwise and name in _FUSED_BY_COMPILE:
                 per_token *= _FUSED_BY_COMPILE[name]
             elif training.fused_pointwise and name == "activation_fn":

@@ -16,6 +16,7 @@ from hzpsim.calibration import profile as calibration
 from hzpsim.hardware.compute import ComputeModel, efficiency_for
 from hzpsim.hardware.devices import DEVICES, get_device
 from hzpsim.model import Model
+from hzpsim.model.activations import input_gradient_adds
 from hzpsim.model.kernels import Attention, Gemm, merged, scaled, total_flops
 from hzpsim.model.training import Training
 from hzpsim.run import run_choice
@@ -219,6 +220,28 @@ def test_a_gpt_layers_backward_moves_its_kernels_bytes(fusion: str) -> None:
     tokens = b * s
     assert (layer.pre.bytes_accessed + layer.post.bytes_accessed) == pytest.approx(per_token[0] * h * tokens)
     assert layer.backward.bytes_accessed == pytest.approx(per_token[1] * h * tokens)
+
+
+def test_input_gradient_adds_run_on_the_whole_sequence_under_sequence_parallelism(monkeypatch) -> None:
+    """An eager Llama layer (separate q, k, v and gate, up projections: 3 adds) under TP 4 with
+    sequence parallelism: the other memory-bound kernels of its backward run on the rank's
+    quarter of the sequence, but the projections read the all-gathered input (torchtitan's
+    PrepareModuleInput: Shard(1) -> Replicate()), so autograd sums their input gradients on
+    every token: 3 adds x 3·B·h per token of the micro-batch, not of the shard."""
+    import hzpsim.strategies._mp_units as units
+    from hzpsim.strategies._implementations import get as get_implementation
+
+    torchtitan = get_implementation("torchtitan")
+    model = _model()
+    h, b, act = model.hidden_size, 1, 2
+    training = Training(global_batch_size=8, micro_batch_size=b)
+    assert input_gradient_adds(model, 0) == 3
+    for dims in (ParallelDims(tp=1, dp=1), ParallelDims(tp=4, dp=1, sequence_parallel=True)):
+        with_adds = mp_units(model, training, dims, torchtitan)[1].backward.bytes_accessed
+        with monkeypatch.context() as patch:
+            patch.setattr(units, "input_gradient_adds", lambda model, i: 0)
+            without = mp_units(model, training, dims, torchtitan)[1].backward.bytes_accessed
+        assert with_adds - without == pytest.approx(3 * 3 * act * h * b * model.seq_len)
 
 
 def test_per_op_checkpointing_follows_torchtitans_policy() -> None:

@@ -332,8 +332,12 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             by_term[name] = per_token
             traffic += by_term[name]
         if eager:  # separate projections reading one input (q, k, v; gate and up): autograd sums
-            # their input gradients, one eager add each (3·B·h per token; Model.layer_kernels_forward)
-            traffic_bwd += 3 * elementwise_bytes * h * input_gradient_adds(model, i) / (t if deg.sequence_parallel else 1)
+            # their input gradients, one eager add each (3·B·h per token; Model.layer_kernels_forward).
+            # On every token of the micro-batch, also under sequence parallelism: the projections
+            # read the input after its all-gather (torchtitan's PrepareModuleInput redistributes
+            # Shard(1) -> Replicate() once per block), so the adds sum Partial gradients of the
+            # whole sequence, and the reduce-scatter back to Shard(1) comes after them
+            traffic_bwd += 3 * elementwise_bytes * h * input_gradient_adds(model, i)
         if training.autocast:  # each GEMM input is cast fp32 -> bf16: read 4, write 2 bytes; its
             # backward casts the gradient back (read 2, write 4)
             d = model.head_dim_resolved

@@ -102,7 +102,7 @@ def test_unfused_attention_moves_its_score_kernels_bytes(recompute: str, fused_k
 #: ATen ops that move no data (views, metadata) or only O(1) scalars
 _NO_DATA = {"view", "_unsafe_view", "t", "transpose", "expand", "unsqueeze", "squeeze", "slice", "detach",
             "alias", "as_strided", "permute", "select", "split", "chunk", "unbind", "empty", "empty_like",
-            "zeros_like", "ones_like", "new_empty_strided"}
+            "zeros_like", "ones_like", "new_empty_strided", "view_as_complex", "view_as_real", "_conj"}
 
 
 def _aten_bytes(forward, inputs):
@@ -135,7 +135,8 @@ def _aten_bytes(forward, inputs):
     return fwd, bwd
 
 
-@pytest.mark.parametrize("kernel", ["layernorm", "dropout", "gelu", "swiglu", "residual", "input_grads"])
+@pytest.mark.parametrize("kernel", ["layernorm", "dropout", "gelu", "swiglu", "residual", "input_grads",
+                                    "rope_rotate_half", "rope_complex"])
 def test_memory_bound_backward_bytes_are_what_the_aten_ops_move(kernel: str) -> None:
     """Each memory-bound kernel's backward-over-forward bytes (``elementwise_backward_over_forward``,
     ``activation_fn_backward_bytes_per_ffn``, ``input_gradient_adds``) against what the ATen ops
@@ -170,6 +171,29 @@ def test_memory_bound_backward_bytes_are_what_the_aten_ops_move(kernel: str) -> 
             adds.append((bwd.ops.count("add"), expected))
         assert adds[0][0] == adds[0][1] and adds[1][0] == adds[1][1]
         assert input_gradient_adds(llama, 0) == 3 and input_gradient_adds(gpt, 0) == 0
+        return
+    if kernel.startswith("rope"):  # Q as (batch, seq, heads, head_dim) in bf16; tables 1/128 of it
+        from hzpsim.model.activations import rope_bytes_per_element
+
+        bsz, seq, heads, d = 4, 512, 32, 64
+        q = torch.randn(bsz, seq, heads, d, dtype=torch.bfloat16, requires_grad=True)
+        angle = torch.arange(seq).float()[:, None] * torch.rand(d // 2)[None]
+        if kernel == "rope_complex":  # torchtitan's apply_rotary_emb
+            freqs = torch.polar(torch.ones_like(angle), angle).view(1, seq, 1, d // 2)
+
+            def rope(x):
+                rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * freqs
+                return torch.view_as_real(rotated).flatten(3).type_as(x)
+        else:  # Hugging Face's apply_rotary_pos_emb
+            cos = torch.cat([angle, angle], -1).cos()[None, :, None].bfloat16()
+            sin = torch.cat([angle, angle], -1).sin()[None, :, None].bfloat16()
+
+            def rope(x):
+                return x * cos + torch.cat((-x[..., d // 2:], x[..., : d // 2]), -1) * sin
+        fwd, bwd = _aten_bytes(rope, (q,))
+        measured = (fwd.total / q.numel(), bwd.total / q.numel())
+        assert measured == pytest.approx(rope_bytes_per_element(kernel[5:], 2, False), rel=0.01)
+        assert rope_bytes_per_element(kernel[5:], 2, True) == (4, 4)
         return
     if kernel == "layernorm":
         w, b = leaf(h), leaf(h)
@@ -242,6 +266,33 @@ def test_input_gradient_adds_run_on_the_whole_sequence_under_sequence_parallelis
             patch.setattr(units, "input_gradient_adds", lambda model, i: 0)
             without = mp_units(model, training, dims, torchtitan)[1].backward.bytes_accessed
         assert with_adds - without == pytest.approx(3 * 3 * act * h * b * model.seq_len)
+
+
+def test_eager_rope_is_charged_as_the_profiles_model_code_writes_it() -> None:
+    """torchtitan's complex-product RoPE and Hugging Face's rotate_half move the same forward
+    bytes in bf16 (10·B per rotated element) and 10·B against 14·B backward; a fused kernel
+    (compile, Megatron's fused RoPE) moves 2·B each way: the layer's bytes differ by exactly
+    that, over Q's and K's elements."""
+    import dataclasses
+
+    from hzpsim.strategies._implementations import get as get_implementation
+
+    model = _model()
+    d, b = model.head_dim_resolved, 1
+    elements = b * model.seq_len * (model.num_heads + model.kv_heads) * d
+    complex_ = get_implementation("torchtitan")
+    assert complex_.rope_form == "complex" and get_implementation("reference").rope_form == "rotate_half"
+    rotate_half = dataclasses.replace(complex_, rope_form="rotate_half")
+    dims = ParallelDims(tp=1, dp=1)
+    layers = {}
+    for name, impl in (("complex", complex_), ("rotate_half", rotate_half)):
+        for compiled in (False, True):
+            training = Training(global_batch_size=8, micro_batch_size=b, compile=compiled)
+            layer = mp_units(model, training, dims, impl)[1]
+            layers[name, compiled] = (layer.pre.bytes_accessed + layer.post.bytes_accessed, layer.backward.bytes_accessed)
+    assert layers["complex", True] == layers["rotate_half", True]
+    assert layers["rotate_half", False][0] == pytest.approx(layers["complex", False][0])
+    assert layers["rotate_half", False][1] - layers["complex", False][1] == pytest.approx(4 * 2 * elements)
 
 
 def test_per_op_checkpointing_follows_torchtitans_policy() -> None:

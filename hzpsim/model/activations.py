@@ -223,9 +223,9 @@ def elementwise_backward_over_forward(model: Model, name: str, act_bytes: int = 
       ``bias_dropout_add``'s backward is that product). ``compile``: the gradient is already
       in the norm's backward kernel, which reads the mask and writes the branch's gradient
       besides the skip's: B·h + h.
-    - ``rope``: the backward rotates Q's and K's gradients by the opposite angle, reading and
-      writing each (Megatron-Core's fused RoPE kernel likewise): as the forward.
     - ``permute``: a permutation's backward is the inverse permutation: as the forward.
+    - ``rope``: not here; its forward and backward depend on how the model code writes it
+      (:func:`rope_bytes_per_element`).
     - ``activation_fn``: :func:`activation_fn_backward_bytes_per_ffn` (fused unless eager)
       over :func:`activation_fn_bytes_per_ffn` (eager).
 
@@ -242,9 +242,41 @@ def elementwise_backward_over_forward(model: Model, name: str, act_bytes: int = 
         return 1 / 3 if fusion == "compile" else 1.0
     if name == "dropouts":
         return (act_bytes + 1) / (2 * act_bytes + 1) if fusion == "compile" else 1.0
-    if name in ("rope", "permute"):
+    if name == "permute":
         return 1.0
     raise ValueError(f"unknown memory-bound term {name!r}")
+
+
+ROPE_FORMS = ("rotate_half", "complex")
+
+
+def rope_bytes_per_element(form: str, act_bytes: int, fused: bool) -> tuple[float, float]:
+    """HBM bytes RoPE moves per rotated element of Q and K, forward and backward, B =
+    ``act_bytes``. ``fused`` (Megatron-Core's / Transformer Engine's fused RoPE kernel,
+    Inductor's fused pointwise kernel): one read and one write each way, 2·B. Eager, as the
+    model code writes it (each ATen op's operands and outputs, views apart; measured on CPU
+    with a ``TorchDispatchMode`` in ``tests/test_kernels.py``, the cos / sin / frequency tables,
+    broadcast over batch and heads, left out):
+
+    - ``rotate_half`` (Hugging Face's ``apply_rotary_pos_emb``, Megatron-LM's unfused
+      ``_apply_rotary_pos_emb_bshd``, hzpsim's executor): ``q * cos + rotate_half(q) * sin``,
+      forward ``mul`` 2·B, ``neg`` of one half B, ``cat`` 2·B, ``mul`` 2·B, ``add`` 3·B = 10·B;
+      backward the two products' gradients 2·B each, ``neg`` B, two ``slice_backward`` (a
+      zero-filled whole written, a half read) 3·B, two gradient sums 6·B = 14·B;
+    - ``complex`` (torchtitan's ``apply_rotary_emb``: ``view_as_complex(xq.float())`` times the
+      complex frequencies, ``view_as_real``, ``type_as``): the cast to fp32 B + 4, the complex
+      product 4 + 4, the cast back 4 + B; the backward the same three kernels on the gradient:
+      2·B + 16 each way, 20 bytes in bf16 (5× the fused kernel's); in fp32 the casts are no-ops.
+    """
+    if form not in ROPE_FORMS:
+        raise ValueError(f"rope form: {form!r} is not one of: {', '.join(ROPE_FORMS)}")
+    B = act_bytes
+    if fused:
+        return 2.0 * B, 2.0 * B
+    if form == "rotate_half":
+        return 10.0 * B, 14.0 * B
+    casts = 0.0 if B == 4 else 2.0 * (B + 4)
+    return casts + 8.0, casts + 8.0
 
 
 def elementwise_bytes_per_token(model: Model, i: int, act_bytes: int = 2) -> dict[str, tuple[float, str]]:
@@ -252,7 +284,8 @@ def elementwise_bytes_per_token(model: Model, i: int, act_bytes: int = 2) -> dic
     unfused (bias adds are fused into GEMM epilogues and not counted) [INF, counted kernel
     by kernel]: each norm reads its input and writes its output (2·B·h); each residual add
     reads two tensors and writes one (3·B·h); each dropout reads and writes B·h and writes a
-    1-byte mask; RoPE reads and writes Q and K; GELU reads and writes the B·f intermediate;
+    1-byte mask; RoPE reads and writes Q and K (what a fused kernel moves; the eager forms
+    move more: :func:`rope_bytes_per_element`); GELU reads and writes the B·f intermediate;
     SwiGLU is two eager kernels, ``silu(gate)`` (reads and writes B·f) and its product with
     ``up`` (reads two, writes one): 5·B·f (:func:`activation_fn_bytes_per_ffn`); an MoE layer also permutes
     and un-permutes its top_k token copies (read + write each way). Same kinds as

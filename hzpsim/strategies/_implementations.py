@@ -213,6 +213,11 @@ class Implementation:
     ``embedding_dense_backward`` replicated; hzpsim's executor keeps its rows only at the step
     end, ``executor/nd.py::NDTrainer._reduce_partial_tensor_parallel``), instead of Megatron's
     ``VocabParallelEmbedding`` gradient of its own rows."""
+    rope_form: str = "rotate_half"
+    """How the model code rotates Q and K where no fused RoPE kernel runs
+    (``activations.rope_bytes_per_element``): ``rotate_half`` (Hugging Face's
+    ``apply_rotary_pos_emb``, Megatron-LM's unfused path, hzpsim's executor) or ``complex``
+    (torchtitan's ``apply_rotary_emb``: a complex product in fp32)."""
     sp_saves_gathered_inputs: bool = False
     """Sequence parallelism with DTensor (``parallel/style.py``: ``PrepareModuleInput`` gathers
     the sequence shards, ``ColwiseParallel``'s linears save that gathered input for their weight
@@ -533,7 +538,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "Composer's PyTorch FSDP1 (the fsdp1 profile's collectives and host behaviour)",
     ),
     "fsdp2": Implementation(
-        name="fsdp2", optimizer_temp_bytes_per_param=4.0, copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False, gather_after_loss=True,
+        name="fsdp2", rope_form="complex", optimizer_temp_bytes_per_param=4.0, copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False, gather_after_loss=True,
         framework_host="fsdp2", blocking_calls=True, gather_copy_out=True, reduce_output_on_reduce_stream=True,
         source=f"{_PT}:torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py::foreach_all_gather, "
                "foreach_all_gather_copy_out (split_with_sizes_copy of the whole unit), foreach_reduce; "
@@ -587,7 +592,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {
                "expert_tensor_parallel_size 1",
     ),
     "torchtitan": Implementation(
-        name="torchtitan", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
+        name="torchtitan", rope_form="complex", copy_bytes_per_gathered_byte=1.0, max_prefetch_depth=1, master_weights=False,
         gather_after_loss=True, sp_saves_gathered_inputs=True, pp_keeps_unsharded=True, tp_loss="loss-parallel",
         blocking_calls=True, gather_copy_out=True, reduce_output_on_reduce_stream=True,  # FSDP2's (see fsdp2)
         moe_permute_fusion=False,  # torchtitan/models/moe/moe.py: torch.gather in, zeros_like + scatter_add out

@@ -15,9 +15,11 @@ from typing import Any, NamedTuple
 
 from hzpsim.model import Model
 from hzpsim.model.activations import (
+    ROPE_FORMS,
     activation_fn_bytes_per_ffn,
     elementwise_backward_over_forward,
     input_gradient_adds,
+    rope_bytes_per_element,
 )
 from hzpsim.model.checkpointing import mla_up_projections, recomputed_norms
 from hzpsim.model.kernels import Attention, Gemm, Shape
@@ -257,6 +259,12 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     # what autograd keeps: eager PyTorch model code unless fused (None: the least, for bounds)
     eager = implementation is not None and implementation.eager_model_code and not training.fused_pointwise
     gathered_inputs = implementation is not None and implementation.sp_saves_gathered_inputs
+    # RoPE's bytes per rotated element of Q and K (the linears' outputs, in the compute dtype also
+    # under autocast), forward and backward, as the profile's model code writes it (None: the
+    # least of the forms, for bounds)
+    forms = (implementation.rope_form,) if implementation is not None else ROPE_FORMS
+    rope_b = tuple(min(rope_bytes_per_element(f, act, training.fused_pointwise)[j] for f in forms)
+                   for j in (0, 1))
     float8 = training.precision == "fp8"
     # the fp8 recipe's quantisation kernels (_layers.fp8_quantize_bytes); none for the bounds
     # (implementation None: the least) and where torch.compile fuses the casts
@@ -322,6 +330,11 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
                     model.moe.top_k * model.moe.expert_ffn_hidden_size
                     + model.moe.num_shared_experts * model.moe.shared_ffn_resolved)
             per_token /= t if kind == "split" or deg.sequence_parallel else 1
+            if name == "rope":  # per_token: one read and write of Q and K; the fused kernel's or the eager form's bytes
+                traffic_bwd += per_token * rope_b[1] / (2 * elementwise_bytes)
+                by_term[name] = per_token * rope_b[0] / (2 * elementwise_bytes)
+                traffic += by_term[name]
+                continue
             # each kernel's backward, counted from its autograd formula (the eager forward's multiple)
             traffic_bwd += per_token * elementwise_backward_over_forward(model, name, elementwise_bytes,
                                                                         training.pointwise_fusion)

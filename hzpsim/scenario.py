@@ -248,6 +248,9 @@ def _scenario_from_mapping(raw: Any, overrides: Sequence[str], source: str, base
         check_modules(model, training.recompute_modules)
     except ValueError as exc:
         raise ScenarioError(f"training.{exc}") from None
+    if training.sequence_lengths != "fixed" and model.windowed:
+        raise ScenarioError("training.sequence_lengths: packed documents with sliding-window attention "
+                            "(model.sliding_window) are not modelled")
 
     if "strategies" in data:
         entries = data["strategies"]

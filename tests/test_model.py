@@ -466,4 +466,5 @@ def test_layers_of_one_kind_are_alike_in_every_per_layer_quantity(name):
         first.setdefault(model.layer_kind(i), (i, values))
         j, expected = first[model.layer_kind(i)]
         assert values == expected, f"{name}: layers {j} and {i} are of one kind but differ"
-    assert len(first) == (1 if model.moe is None or model.num_moe_layers in (0, model.num_layers) else 2)
+    windows = len({model.attention_window(i) for i in range(model.num_layers)})  # gpt-oss: 128 and full
+    assert len(first) == (1 if model.moe is None or model.num_moe_layers in (0, model.num_layers) else 2) * windows

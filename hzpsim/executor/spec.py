@@ -116,6 +116,8 @@ class RunSpec:
             raise ScenarioError("model: the executor builds no qkv_bias, qk_norm or moe.shared_expert_gate")
         if m.position_embedding == "alibi":
             raise ScenarioError("model.position_embedding: the executor builds rope, learned or none")
+        if m.windowed:
+            raise ScenarioError("model.sliding_window: the executor builds full causal attention only")
         if self.strategy == "reference" and n != 1:
             raise ScenarioError("reference: runs on one process")
         if n % (lay.tp * lay.pp):

@@ -112,6 +112,12 @@ ATTENTION_HALF_SPEED_KEYS = 100.0
 #: 2,048-16,384 tokens): the ratio is 0.76-0.99; each point solved for this constant gives
 #: 180-1,040 keys, median 616 (docs/gpu-measurements.md, benchmarks/gpu_probe.py).
 CAUSAL_EXTRA_KEYS = 616.0
+#: Keys per tile of a flash kernel's key loop [INF: FlashAttention-2 and -3 use 64-176-key
+#: blocks by head dimension and GPU]. A sliding window of w keys is a band: each block of
+#: queries visits the ceil(w / block) + 1 key blocks the band crosses and masks the parts of the
+#: first and last outside it, so it computes block·(ceil(w / block) + 1) scores per query for w
+#: kept (half of them at w = 128, 97 % at w = 4,096). Not measured here.
+WINDOW_KEY_BLOCK = 128.0
 #: The family ``attention_kernel: auto`` means: FlashAttention-2, what PyTorch SDPA and most
 #: stacks ran on A100 and H100 [SEC: PyTorch SDPA backend priority, flash first].
 DEFAULT_ATTENTION_KERNEL = "flash2"
@@ -192,9 +198,12 @@ class ComputeModel:
             fraction = hd64 + (hd128 - hd64) * (d - 64) / 64
             if a.backward:
                 fraction *= ATTENTION_BACKWARD_RATIO
-            fraction *= a.seq_kv / (a.seq_kv + ATTENTION_HALF_SPEED_KEYS)
-            if a.causal:
-                fraction *= a.seq_kv / (a.seq_kv + CAUSAL_EXTRA_KEYS)
+            keys = a.keys
+            fraction *= keys / (keys + ATTENTION_HALF_SPEED_KEYS)
+            if a.window and a.window < a.seq_kv:  # the band's key blocks, both edges masked
+                fraction *= keys / (WINDOW_KEY_BLOCK * (math.ceil(keys / WINDOW_KEY_BLOCK) + 1))
+            elif a.causal:
+                fraction *= keys / (keys + CAUSAL_EXTRA_KEYS)
             rate = self._attention_peak * fraction * self.efficiency.attention_fraction * self.device.sustained_clock_fraction
         return a.kernel_flops / rate
 

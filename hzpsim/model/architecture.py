@@ -160,6 +160,16 @@ class Model:
     """A norm of head_dim over each query and key head (Qwen3's q_norm / k_norm; default false).
     Parameters only (2 × head_dim per layer, in ``attention_params``), like MLA's latent norms:
     their activations and kernels are not modelled."""
+    sliding_window: int | None = None
+    """Keys a query of a windowed layer attends over, itself included (tokens; Hugging Face's
+    ``sliding_window``, Megatron-Core's ``window_size`` = (sliding_window - 1, 0); default None:
+    every layer attends over its whole causal context). A flash kernel (FlashAttention-2/3's
+    ``window_size``, cuDNN's sliding-window mask) skips the tiles outside the band; the unfused
+    (math) path computes every score and masks them, so its work is the full layer's."""
+    full_attention_interval: int = 0
+    """With ``sliding_window``: every k-th layer (layer i with i % k == k - 1) attends over the
+    whole context and the others are windowed (gpt-oss: 2, windowed and full alternating from a
+    windowed first layer; Gemma 3: 6); 0: every layer is windowed (Mistral-7B v0.1) (default 0)."""
     max_position_embeddings: int | None = None
     """Rows of a learned position table (tokens, default ``seq_len``; only with
     position_embedding "learned", e.g. GPT-2's n_positions)."""
@@ -195,6 +205,14 @@ class Model:
                     f"max_position_embeddings: {self.max_position_embeddings} is shorter than "
                     f"seq_len ({self.seq_len})"
                 )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1 tokens, got {self.sliding_window}")
+        if self.full_attention_interval < 0:
+            raise ValueError(f"full_attention_interval: must be >= 0 (0: every layer windowed), got "
+                             f"{self.full_attention_interval}")
+        if self.full_attention_interval and self.sliding_window is None:
+            raise ValueError("full_attention_interval: needs sliding_window (which layers of a windowed model attend "
+                             "over the whole context)")
         if self.head_dim is not None and self.head_dim < 1:
             raise ValueError(f"head_dim: must be >= 1, got {self.head_dim}")
         if self.head_dim is None and self.mla is None and self.hidden_size % self.num_heads != 0:
@@ -274,10 +292,34 @@ class Model:
     def layer_kind(self, i: int) -> Hashable:
         """What sets every per-layer quantity of layer ``i`` (its parameters, linears, stored
         activations, memory-bound bytes and kernels): two layers of one kind differ only in
-        their index, so a per-layer cost computed for one serves the other. Today the only
-        per-layer difference is dense MLP versus MoE block; a model with another (per-layer
-        attention windows, say) adds it here."""
-        return self.is_moe_layer(i)
+        their index, so a per-layer cost computed for one serves the other: dense MLP versus
+        MoE block, and the attention window."""
+        return self.is_moe_layer(i), self.attention_window(i)
+
+    def attention_window(self, i: int) -> int | None:
+        """The keys each query of layer ``i`` attends over when the layer is windowed and its
+        window is shorter than the sequence (``sliding_window``, ``full_attention_interval``);
+        None: the whole causal context."""
+        self._check_layer(i)
+        w, k = self.sliding_window, self.full_attention_interval
+        if w is None or w >= self.seq_len or (k and i % k == k - 1):
+            return None
+        return w
+
+    @property
+    def windowed(self) -> bool:
+        """Whether any layer's attention is windowed (:meth:`attention_window`)."""
+        return any(self.attention_window(i) is not None for i in range(self.num_layers))
+
+    def attention_pairs_per_token(self, i: int, causal: bool = True, keys: float | None = None) -> float:
+        """Query-key pairs per token of layer ``i``'s attention over a sequence of ``keys``
+        tokens (default seq_len): s/2 causal, s not; windowed (w < s) causal: the band, w - w²/2s
+        (each of the first w queries sees its prefix, every later one w keys), and w not."""
+        s = self.seq_len if keys is None else keys
+        w = self.attention_window(i)
+        if w is not None and w < s:
+            return w - w * w / (2 * s) if causal else float(w)
+        return s / 2 if causal else float(s)
 
     @property
     def num_moe_layers(self) -> int:
@@ -540,8 +582,12 @@ class Model:
         6·a·(d_qk + d_v). ``attention_keys``: the keys a token attends over when documents
         of varying length are packed with per-document masks (default s = seq_len)."""
         keys = self.seq_len if attention_keys is None else attention_keys
-        return 6.0 * self.matmul_params_active_per_token() + 3.0 * self.num_layers * (
-            self._attention_core_flops_per_token_per_key() * keys
+        if not self.windowed:
+            pairs = self.num_layers * keys
+        else:  # a windowed layer's queries see their window (non-causal: w keys each)
+            pairs = sum(self.attention_pairs_per_token(i, causal=False, keys=keys) for i in range(self.num_layers))
+        return 6.0 * self.matmul_params_active_per_token() + 3.0 * (
+            self._attention_core_flops_per_token_per_key() * pairs
         )
 
     def layer_forward_flops(self, i: int, num_tokens: int, causal: bool = True) -> dict[str, float]:
@@ -549,14 +595,13 @@ class Model:
 
         ``gemm``: 2 × active matmul params × tokens (router included).
         ``attention``: score and value matmuls, 4·tokens·s·a·d (MLA: 2·tokens·s·a·(d_qk+d_v)),
-        halved when ``causal`` (what a flash-attention kernel executes). Softmax, norms and
+        halved when ``causal`` (what a flash-attention kernel executes), over the window's band
+        in a windowed layer (:meth:`attention_pairs_per_token`). Softmax, norms and
         element-wise ops are not counted. Backward = 2 × these.
         """
         attention = (
-            float(num_tokens) * self.seq_len * self._attention_core_flops_per_token_per_key()
+            float(num_tokens) * self.attention_pairs_per_token(i, causal) * self._attention_core_flops_per_token_per_key()
         )
-        if causal:
-            attention /= 2
         return {
             "gemm": 2.0 * self.layer_matmul_params_active(i) * num_tokens,
             "attention": attention,

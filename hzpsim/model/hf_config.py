@@ -40,8 +40,10 @@ modeling code in ``huggingface/transformers`` (``src/transformers/models/<type>/
   GELU MLP, LayerNorm with bias, rotary (partial: ``rotary_pct`` has no parameters), untied
   ``embed_out`` by default.
 
-Not modelled (documented in the scenario docs): sliding-window attention (every layer attends
-over the whole ``seq_len``), partial rotary, parallel residuals, the router's extra buffers.
+Sliding-window attention (``sliding_window``, ``layer_types``; Qwen's ``use_sliding_window``)
+maps to ``sliding_window`` / ``full_attention_interval`` (:func:`_windows`).
+Not modelled (documented in the scenario docs): partial rotary, parallel residuals, the
+router's extra buffers.
 Fields hzpsim does not read are ignored. The architecture's size fields are required (where
 transformers would fall back to its class default); flags take the class default.
 
@@ -155,7 +157,38 @@ def _decoder(f: _Fields) -> dict[str, Any]:
         "position_embedding": "rope",
         "tied_embeddings": f.flag("tie_word_embeddings", False),
         "dropout": f.number("attention_dropout", 0.0) > 0,
+        **_windows(f, f.integer("num_hidden_layers")),
     }
+
+
+def _windows(f: _Fields, num_layers: int) -> dict[str, Any]:
+    """``sliding_window`` and ``full_attention_interval`` from the config's window keys
+    (``MistralAttention`` / ``Qwen2Attention``: ``sliding_window`` on the layers whose
+    ``layer_types`` entry is ``sliding_attention``): a null ``sliding_window`` (Llama, Mixtral)
+    or Qwen's ``use_sliding_window: false`` leaves every layer full; a window without
+    ``layer_types`` is on every layer (Mistral-7B v0.1); ``layer_types`` must be every layer
+    windowed, or full on every k-th (i % k == k - 1). Qwen's block of windowed layers from
+    ``max_window_layers`` on, without ``layer_types``, exits naming it."""
+    if not f.flag("use_sliding_window", True) or f.data.get("sliding_window") is None:
+        return {}
+    window = f.integer("sliding_window")
+    types = f.data.get("layer_types")
+    if types is None:
+        if "use_sliding_window" in f.data and f.data.get("max_window_layers") is not None:
+            raise f.error("max_window_layers", "windowed layers from max_window_layers on are not modelled "
+                                               "(hzpsim windows every layer or all but every k-th)")
+        return {"sliding_window": window}
+    if not isinstance(types, list) or len(types) != num_layers or any(
+            t not in ("sliding_attention", "full_attention") for t in types):
+        raise f.error("layer_types", f"expected {num_layers} entries of sliding_attention / full_attention, got {types!r}")
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if len(full) == num_layers:
+        return {}
+    interval = full[0] + 1 if full else 0
+    if full != list(range(interval - 1, num_layers, interval or num_layers + 1))[: len(full)] or (
+            interval and len(full) != num_layers // interval):
+        raise f.error("layer_types", "full-attention layers that are not every k-th layer are not modelled")
+    return {"sliding_window": window, "full_attention_interval": interval}
 
 
 def _llama(f: _Fields) -> dict[str, Any]:

@@ -64,13 +64,26 @@ class Attention(NamedTuple):
     kernel: str = "auto"
     backward: bool = False
     calls: float = 1.0
+    window: float = 0.0
+    """Keys each query attends over in a sliding-window layer (0: all of ``seq_kv``): the
+    kernel visits only the band's tiles (FlashAttention-2/3 ``window_size``, cuDNN's
+    sliding-window mask), causal: the first ``window`` queries see their prefix, each later one
+    ``window`` keys."""
+
+    @property
+    def keys(self) -> float:
+        """Keys a query's row of tiles spans: the window, or the whole key sequence."""
+        return min(self.window, self.seq_kv) if self.window else self.seq_kv
 
     @property
     def flops(self) -> float:
         per_pair = 2.0 * (self.head_dim + self.v_head_dim)
-        flops = self.heads * self.seq_q * self.seq_kv * per_pair * self.calls
-        if self.causal:
-            flops /= 2
+        if self.window and self.window < self.seq_kv:
+            w = self.window
+            pairs = self.seq_q * (w - w * w / (2 * self.seq_kv) if self.causal else w)
+        else:
+            pairs = self.seq_q * self.seq_kv / (2 if self.causal else 1)
+        flops = self.heads * pairs * per_pair * self.calls
         return 2 * flops if self.backward else flops
 
     @property

@@ -152,6 +152,8 @@ class ParallelDims:
             raise ValueError(f"tp: {t} does not divide model.num_heads {model.num_heads}")
         if model.kv_heads % t:
             raise ValueError(f"tp: {t} does not divide model.num_kv_heads {model.kv_heads}")
+        if c > 1 and model.windowed:
+            raise ValueError("cp: context parallelism with sliding-window attention (model.sliding_window) is not modelled")
         if c > 1 and model.seq_len % (2 * c):
             raise ValueError(f"cp: model.seq_len {model.seq_len} is not divisible by 2 x cp (load-balanced causal split)")
         per_step = training.micro_batch_size * dp

@@ -293,11 +293,11 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
     d_qk, d_v = model.head_dim_resolved, model.v_head_dim_resolved
     heads = b * model.num_heads / t  # (batch × heads) this rank attends for
     if fused:  # one flash-style kernel; causal: the kernel skips the masked half
-        attn_core: list[Attention] = [Attention(heads, model.seq_len / c, model.seq_len, d_qk, d_v, True,
+        full_core: list[Attention] = [Attention(heads, model.seq_len / c, model.seq_len, d_qk, d_v, True,
                                                 training.attention_kernel)]
-        attn_scores: list[Gemm] = []
+        attn_core, attn_scores = full_core, []
     else:  # the score and value products as batched GEMMs over every (query, key) pair
-        attn_core = []
+        full_core = attn_core = []
         attn_scores = [Gemm(model.seq_len / c, model.seq_len, d_qk, 1.0, heads),
                        Gemm(model.seq_len / c, d_v, model.seq_len, 1.0, heads)]  # one batched kernel each
     alike: dict[Hashable, MPUnit] = {}  # a layer of each kind (Model.layer_kind): the others are alike
@@ -308,6 +308,9 @@ def mp_units(model: Model, training: Training, deg: ParallelDims,
             continue
         linears = model.layer_linears(i)
         attn_gemms = linear_gemms(linears["attention"], local, t)
+        window = model.attention_window(i)
+        if fused:  # a windowed layer's kernel visits only the band (the unfused path scores every pair)
+            attn_core = [full_core[0]._replace(window=float(window))] if window is not None else full_core
         stored = model.activation_bytes_per_layer(
             i, b, tp=t, sequence_parallel=deg.sequence_parallel, recompute="none",
             flash_attention=fused, cp=c, act_bytes=act, eager=eager, gathered_inputs=gathered_inputs,

@@ -466,6 +466,12 @@ def stream_utilization(spans: StepSpans, window: tuple[float, float]) -> dict[st
             for s, items in sorted(spans.items())}
 
 
+def _windows_text(model: Model) -> str:
+    """``, window W on N of L layers`` for a model with sliding-window attention, else ''."""
+    windowed = [w for i in range(model.num_layers) if (w := model.attention_window(i)) is not None]
+    return f", window {windowed[0]} on {len(windowed)} of {model.num_layers} layers" if windowed else ""
+
+
 def format_summary(scenario: Scenario) -> str:
     """The three header lines of a table: model, training, cluster."""
     model, training, topology = scenario.model, scenario.training, scenario.topology
@@ -475,7 +481,8 @@ def format_summary(scenario: Scenario) -> str:
         [
             f"model    {model.name}: {model.num_params() / 1e9:.2f}B parameters "
             f"({model.num_active_params() / 1e9:.2f}B active), "
-            f"{model.model_flops_per_token() / 1e9:.1f} GFLOP/token (PaLM), seq {model.seq_len}",
+            f"{model.model_flops_per_token() / 1e9:.1f} GFLOP/token (PaLM), seq {model.seq_len}"
+            + _windows_text(model),
             f"training {training.global_batch_size} x {model.seq_len} = {tokens / 1e6:.2f}M tokens/step, "
             f"micro-batch {training.micro_batch_size}, {training.precision}, grads {training.grad_dtype}, "
             f"recompute {training.activation_recompute}"

@@ -121,8 +121,12 @@ def test_hugging_faces_window_keys() -> None:
 
 
 def test_the_gpt_oss_presets_window_every_other_layer() -> None:
-    model = scenario_from_mapping(base(model="gpt-oss-120b")).model
-    assert [model.attention_window(i) for i in range(4)] == [128, None, 128, None]
+    from hzpsim.report import format_summary
+
+    scenario = scenario_from_mapping(base(model="gpt-oss-120b"))
+    assert [scenario.model.attention_window(i) for i in range(4)] == [128, None, 128, None]
+    assert "seq 4096, window 128 on 18 of 36 layers" in format_summary(scenario)
+    assert "window" not in format_summary(scenario_from_mapping(base(model="mixtral-8x7b")))
 
 
 @pytest.mark.parametrize("overrides,key", [

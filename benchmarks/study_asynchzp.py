@@ -18,7 +18,12 @@ from typing import Any
 
 from hzpsim.run import run_choice
 from hzpsim.scenario import scenario_from_mapping
-from hzpsim.strategies import label as _label
+from hzpsim.strategies import label
+
+
+def _label(resolved: dict[str, Any]) -> str:
+    """The strategy's label as a Markdown table cell (AsyncHZP's ``p|g|o`` degrees escaped)."""
+    return label(resolved).replace("|", "\\|")
 
 # Document lengths for the variable-length weak scaling: the DCLM-Baseline subset's sequences
 # per length bucket after dataset decomposition (Pouransari et al., NeurIPS 2024, arXiv

@@ -28,7 +28,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Literal
 
-from hzpsim.model import activations, checkpointing, dispatch
+from hzpsim.model import activations, checkpointing, dispatch, kernels
 from hzpsim.model.checkpointing import RecomputeMode
 
 
@@ -316,10 +316,7 @@ class Model:
         tokens (default seq_len): s/2 causal, s not; windowed (w < s) causal: the band, w - w²/2s
         (each of the first w queries sees its prefix, every later one w keys), and w not."""
         s = self.seq_len if keys is None else keys
-        w = self.attention_window(i)
-        if w is not None and w < s:
-            return w - w * w / (2 * s) if causal else float(w)
-        return s / 2 if causal else float(s)
+        return kernels.band_pairs_per_query(s, self.attention_window(i) or 0, causal)
 
     @property
     def num_moe_layers(self) -> int:

@@ -185,8 +185,7 @@ def _windows(f: _Fields, num_layers: int) -> dict[str, Any]:
     if len(full) == num_layers:
         return {}
     interval = full[0] + 1 if full else 0
-    if full != list(range(interval - 1, num_layers, interval or num_layers + 1))[: len(full)] or (
-            interval and len(full) != num_layers // interval):
+    if full and full != list(range(interval - 1, num_layers, interval)):
         raise f.error("layer_types", "full-attention layers that are not every k-th layer are not modelled")
     return {"sliding_window": window, "full_attention_interval": interval}
 

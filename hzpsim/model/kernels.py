@@ -44,6 +44,15 @@ class Gemm(NamedTuple):
                 Gemm(self.k, self.n, self.m, self.calls, self.batch, accumulate))
 
 
+def band_pairs_per_query(seq_kv: float, window: float, causal: bool = True) -> float:
+    """Query-key pairs per query of attention over ``seq_kv`` keys: s/2 causal, s not; with a
+    sliding window w < s, causal, the band w - w²/2s (each of the first w queries sees its
+    prefix, every later one w keys), and w not (``window`` 0: none)."""
+    if window and window < seq_kv:
+        return window - window * window / (2 * seq_kv) if causal else float(window)
+    return seq_kv / 2 if causal else float(seq_kv)
+
+
 class Attention(NamedTuple):
     """``calls`` attention kernel calls, each over ``heads`` (batch × heads of this rank) queries
     of length ``seq_q`` over ``seq_kv`` keys, head dimensions ``head_dim`` (Q·K) and
@@ -78,11 +87,7 @@ class Attention(NamedTuple):
     @property
     def flops(self) -> float:
         per_pair = 2.0 * (self.head_dim + self.v_head_dim)
-        if self.window and self.window < self.seq_kv:
-            w = self.window
-            pairs = self.seq_q * (w - w * w / (2 * self.seq_kv) if self.causal else w)
-        else:
-            pairs = self.seq_q * self.seq_kv / (2 if self.causal else 1)
+        pairs = self.seq_q * band_pairs_per_query(self.seq_kv, self.window, self.causal)
         flops = self.heads * pairs * per_pair * self.calls
         return 2 * flops if self.backward else flops
 

@@ -126,6 +126,37 @@ def test_collective_waits_for_its_last_participant():
     assert trace.start_s[ar] == pytest.approx(3.0)
 
 
+def _straggler_graph(stream: str) -> tuple[OpGraph, int, int, int]:
+    g = OpGraph(8, {0: 8}, "bf16")
+    g.add_group("node", range(8))
+    a = g.compute(0, "a", "forward", one_second_gemm())
+    ar = g.collective("all_reduce", "node", [0], 1e6, "ar", "grad_reduce", stream, deps=[a])
+    b = g.compute(0, "b", "forward", one_second_gemm(), deps=[a])
+    c = g.compute(0, "c", "forward", one_second_gemm(), deps=[b])
+    return g, ar, b, c
+
+
+def test_a_straggler_is_waited_for_once():
+    """Noise of cv 0.1 over a 1 s stretch: the all-reduce over 8 ranks starts 0.1 · E[max of 8]
+    late. On the compute stream the ranks leave the collective together, so the next kernel
+    starts when it ends (it waited for the straggler there); beside it, on another stream, the
+    compute stream's next kernel waits for the straggler after the kernel it was running."""
+    from hzpsim.hardware.variability import expected_max_excess
+
+    topo = dgx_h100(variability=0.1)
+    late = 0.1 * expected_max_excess(8)
+    g, ar, b, _ = _straggler_graph("compute")
+    trace = simulate(g, topo, UNIT)
+    latency = trace.plans[ar].latency_s
+    assert trace.start_s[ar] == pytest.approx(1.0)  # the rendezvous
+    assert trace.end_s[ar] > 1.0 + latency + late
+    assert trace.start_s[b] == pytest.approx(trace.end_s[ar])
+    g, ar, b, c = _straggler_graph("dp")
+    trace = simulate(g, topo, UNIT)
+    assert trace.start_s[b] == pytest.approx(1.0)  # started with the rendezvous
+    assert trace.start_s[c] == pytest.approx(2.0 + late)
+
+
 def test_memory_timeline_peak_and_breakdown():
     topo = dgx_h100()
     g = OpGraph(8, {0: 8}, "bf16")

@@ -150,7 +150,8 @@ class Engine:
         self._compute_slowdown = {int(r): float(f) for r, f in graph.meta.get("compute_slowdown", ())}
         self._plans: dict[tuple, tuple[CollectivePlan, int, bool]] = {}  # see _plan
         # rank -> (time of a rendezvous, how late its slowest member was): the rank's next device
-        # compute waits for that member unless it already waited at least as long for its inputs
+        # compute waits for that member unless the stream already waited at least as long since
+        # (for its inputs, or in that very collective when it ran on the same stream)
         self._straggler: dict[int, tuple[float, float]] = {}
         self._queue, self._eid = self.env._queue, self.env._eid
         self._flows: dict[tuple[int, int], Any] = {}  # (rank, id(plan)) -> flow template (None: nothing to move)
@@ -243,7 +244,10 @@ class Engine:
                     if event is None:
                         event = waiters[op.id] = _Waiter()
                     yield event
-                previous_end_s = end_s[op.id]
+                # previous_end_s stays the stream's last device work: the time it spent in this
+                # collective after the rendezvous was waiting, so a straggler this collective
+                # already waited for is not waited for again by the next kernel (the members
+                # leave the collective together)
 
     # ------------------------------------------------------------------ compute slowdown
 

@@ -188,8 +188,6 @@ class UnitCost:
     link_bytes: tuple[tuple[str, float], ...] = ()  # per micro-batch, by level: TP/EP bytes (fwd + bwd)
     p2p_bytes: float = 0.0  # activation handed to the next pipeline stage
     tensors: tuple[float, ...] = ()  # dense parameter tensors (the implementation's collective calls)
-    after_forward_s: float = 0.0  # the compute stream's next kernel waits this long after the forward
-    after_backward_s: float = 0.0
     kernels_s: float = 0.0  # of forward_s + backward_s: the kernels alone (what talking slows)
     kernels_sq: float = 0.0  # sum of the squares of the unit's compute ops' least durations (fwd + bwd)
     forward_sq: float = 0.0  # of which the forward's
@@ -207,13 +205,6 @@ class UnitCost:
         return dataclasses.replace(self, dense_params=self.expert_params,
                                    tensors=self.expert_tensors or (self.expert_params,))
 
-    @property
-    def forward_and_wait_s(self) -> float:
-        return self.forward_s + self.after_forward_s
-
-    @property
-    def backward_and_wait_s(self) -> float:
-        return self.backward_s + self.after_backward_s
 
 
 def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: int, pp: int,
@@ -222,11 +213,9 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
     """Each unit's forward and backward on the compute stream. A TP or EP collective that
     directly follows a compute op rendezvouses with a stretch of device work at least that op
     long behind it, so it starts ``late(group)`` × that op's time late (``Stragglers.delay_s``:
-    W >= the last stretch); one that follows another collective is charged no wait. The engine
-    then makes the rank's next kernel wait for that straggler again, counting from the end of
-    the stream's previous op (``Engine._stream``: ``waited_s`` starts at ``previous_end_s``, the
-    collective's end): ``after_*_s``, which delays the next kernel on the same stream but not
-    what depends on the collective itself (sends, reductions). ``attention_keys`` = (seq_len,
+    W >= the last stretch); one that follows another collective is charged no wait. The kernel
+    after it does not wait for that straggler again: the stream waited for it in the collective
+    (``Engine._stream``). ``attention_keys`` = (seq_len,
     tokens): the attention priced over documents of ``tokens`` mean length, the least any
     micro-batch of variable-length sequences attends over (:func:`least_attention_keys`).
     ``rendezvous``: every group size the ranks meet (a superset), which lets the persistent
@@ -261,26 +250,23 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
                 for k in forward_kinds + backward_kinds:
                     costs.add_demand(demand, k, u.ep_bytes, ep_ranks, 1)
         if u.moe is not None:  # attention (TP after it), then the MoE ops around the exchanges
-            # the TP collective after the attention block starts late and the router waits for
-            # the straggler again
-            wait_f, after_f = 2 * wait_tp_f * (remote if cp else pre), 0.0
-            wait_b = after_b = wait_tp_b * (back_remote if cp else back)
+            # the TP collective after the attention block starts late
+            wait_f = wait_tp_f * (remote if cp else pre)
+            wait_b = wait_tp_b * (back_remote if cp else back)
             if u.ep_bytes and not deg.moe_ep_overlap and deg.etp == 1:
                 # on the compute stream the dispatch follows the permute and the combine the
                 # grouped GEMM, the backward's dispatch exchange the GEMMs' backward: each starts
-                # late by at least that op's stretch, and the kernel after it (grouped GEMM,
-                # un-permute, permute's backward) waits for the straggler again (the backward's
-                # combine exchange and the full recompute's follow other ops or a collective:
-                # not counted)
+                # late by at least that op's stretch (the backward's combine exchange and the
+                # full recompute's follow other ops or a collective: not counted)
                 late_ep = costs.late(deg.ep, rendezvous)
-                wait_f += 2 * late_ep * (parts_f[1] + parts_f[2])
-                wait_b += 2 * late_ep * parts_b[2]
+                wait_f += late_ep * (parts_f[1] + parts_f[2])
+                wait_b += late_ep * parts_b[2]
         elif not cp:  # one compute op, then the TP all-reduces
-            wait_f = after_f = wait_tp_f * (pre + post)
-            wait_b = after_b = wait_tp_b * back
+            wait_f = wait_tp_f * (pre + post)
+            wait_b = wait_tp_b * back
         else:  # context parallel: the TP all-reduces follow the MLP (or the remote attention)
-            wait_f = after_f = wait_tp_f * (post if u.post else remote)
-            wait_b = after_b = wait_tp_b * back_remote
+            wait_f = wait_tp_f * (post if u.post else remote)
+            wait_b = wait_tp_b * back_remote
         simple = not cp and u.moe is None
         forward_sq = (pre + post) ** 2 if simple else pre ** 2 + remote ** 2 + post ** 2
         if deg.moe_ep_overlap:  # the exchanges run beside the pass's compute
@@ -295,7 +281,7 @@ def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: i
             costs.add_demand(demand, k, b * exposed, tp_ranks, c)
         out.append(UnitCost(fwd, bwd, tp_f + tp_b + exposed_x + wait_f + wait_b, u.activation_bytes, u.dense_params,
                              u.expert_params, tuple(sorted(demand.items())), u.p2p_bytes,
-                             tuple(u.tensors) or (u.dense_params,), after_f, after_b,
+                             tuple(u.tensors) or (u.dense_params,),
                              kernels_s=pre + remote + post + back + back_remote + moe_f + moe_b,
                              # one op (pre + post) without CP or MoE; else pre, remote, post apart
                              kernels_sq=forward_sq + back ** 2 + back_remote ** 2 + moe_sq, forward_sq=forward_sq,
@@ -506,7 +492,7 @@ class BoundCache:
         data-parallel gathers the first forward waits for (prefetch depth and buffer rings
         included), the pipeline's fill and drain with its point-to-point sends, every
         compute-stream op, the reductions after the last backward, the gradient norm (and
-        its straggler, twice: :func:`norm_s`) and the optimizer (for the ZeRO family every
+        its straggler: :func:`norm_s`) and the optimizer (for the ZeRO family every
         micro-batch's gathers and reductions). A pipeline stage's body is longer by what its
         reduce-scatters and step-end reductions must slow of its kernels
         (``_nd_bound.slowed_bodies``); refined, the whole pipeline is replayed, every stage's
@@ -590,7 +576,7 @@ class BoundCache:
             levels = sorted({level for u in unit_costs for level, _ in u.link_bytes})
             columns = {attr: [getattr(u, attr) for u in unit_costs] for attr in
                        ("forward_s", "backward_s", "comm_s", "activation_bytes", "dense_params", "expert_params",
-                        "forward_and_wait_s", "backward_and_wait_s", "kernels_s", "kernels_sq")}
+                        "kernels_s", "kernels_sq")}
             for level in levels:
                 columns["link." + level] = [dict(u.link_bytes).get(level, 0.0) for u in unit_costs]
             for attr, values in columns.items():
@@ -675,17 +661,16 @@ def communicators_at_least(group_sizes: Sequence[int], pairs: int = 0) -> int:
 
 def norm_s(costs: Costs, n: int, squares: float = 0.0) -> float:
     """The global gradient-norm all-reduce (one fp32 scalar over every rank, compute stream),
-    and, given ``squares``, the wait for its straggler twice: in the collective and before the
-    optimizer after it (``Engine._collective`` / ``Engine._stream``).
+    and, given ``squares``, the wait for its straggler in the collective (``Engine._collective``;
+    the optimizer after it does not wait again: ``Engine._stream``).
 
     The norm is the step's only rendezvous of all ``n`` ranks when ``squares`` is passed, so its
     slowest member is late by ``cv · E[max of n] · W`` with ``W² `` the sum of the squared
     stretches of device work since the previous norm (``Stragglers._since``). Each compute op
     adds its whole duration to the stretch it ends in, and (a + b)² >= a² + b², so W² is at
     least the sum of the squares of the ops' least durations on the slowest simulated rank:
-    ``squares``. The optimizer after the norm starts when the norm ends and waits the same
-    straggler again (``waited_s`` counts from the norm's end)."""
+    ``squares``."""
     seconds = costs.collective_s("all_reduce", 4.0, range(n))
     if squares > 0:
-        seconds += 2 * costs.late(n) * math.sqrt(squares)
+        seconds += costs.late(n) * math.sqrt(squares)
     return seconds

@@ -115,12 +115,11 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
     scatters: list[float] = []
     final = [0.0] * num
     first_start = None
-    after = 0.0  # the last pass's straggler wait before the next kernel
     for mb in range(m):
         for phase, order in (("fwd", range(num)), ("bwd", range(num - 1, -1, -1))):
             for u in order:
                 d = dpu[u]
-                start = t + after
+                start = t
                 gathered = p > 1 and unit_costs[u].dense_params > 0 and (phase == "fwd" or reshard)
                 if gathered:
                     slot = len(consumed) - depth - 1
@@ -135,7 +134,6 @@ def family_bound(bounder: BoundCache, plan: FamilyPlan, training: Training) -> B
                     first_start = start
                 copied = copy[u] if (phase == "fwd" or reshard) else 0.0
                 t = start + copied + (unit_costs[u].forward_s if phase == "fwd" else unit_costs[u].backward_s)
-                after = unit_costs[u].after_forward_s if phase == "fwd" else unit_costs[u].after_backward_s
                 if gathered:
                     consumed.append(t)
                 if phase == "bwd":

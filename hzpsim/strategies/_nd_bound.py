@@ -110,9 +110,8 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
         column = pre[attr]
         return column[hi] - column[lo]
 
-    fwd = [run_sum("forward_and_wait_s", j) for j in range(len(spans))]  # passes with their trailing waits
-    bwd = [run_sum("backward_and_wait_s", j) for j in range(len(spans))]
-    waits = [fwd[j] + bwd[j] - run_sum("forward_s", j) - run_sum("backward_s", j) for j in range(len(spans))]
+    fwd = [run_sum("forward_s", j) for j in range(len(spans))]
+    bwd = [run_sum("backward_s", j) for j in range(len(spans))]
     comm = [run_sum("comm_s", j) for j in range(len(spans))]
     acts = [run_sum("activation_bytes", j) for j in range(len(spans))]
     dense_dp = lay.dp * cfg.cp
@@ -134,13 +133,12 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
     drains = last[1] == 0 and last[2] == m - 1  # every stage ends on chunk 0's last micro-batch
     wait_all = not schedule.effective_overlap_grad_reduce
 
-    opt_lo, opt_up, early, work, talk, idle, memory = [], [], [], [], [], [], 0.0
+    opt_lo, opt_up, early, work, talk, memory = [], [], [], [], [], 0.0
     heads, tails, exposed, windows = [], [], [], []
     for s in range(p):
         vstages = [c * p + s for c in range(v)]
         work.append(m * sum(fwd[j] + bwd[j] for j in vstages))
         talk.append(m * sum(comm[j] for j in vstages))
-        idle.append(m * sum(waits[j] for j in vstages))
         dense = sum(run_sum("dense_params", j) for j in vstages)
         expert = sum(run_sum("expert_params", j) for j in vstages)
         # the stage's optimizers: at least the dense one's, at most (slowed, experts unsharded)
@@ -174,8 +172,8 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
     if quick:
         # the talking window below without its data-parallel terms: slowed(K, T, sd, E) >= K + E,
         # and heads, exposed >= 0
-        critical = max(range(p), key=lambda s: (work[s] - idle[s] + 2 * opt_lo[s] - early[s], -s))
-        q = work[critical] - idle[critical] + 2 * opt_lo[critical] - early[critical] - max_up + norm
+        critical = max(range(p), key=lambda s: (work[s] + 2 * opt_lo[s] - early[s], -s))
+        q = work[critical] + 2 * opt_lo[critical] - early[critical] - max_up + norm
         return Bound(max(q, 0.0), work[critical], talk[critical], 0.0, memory, overhead_bytes=overhead, quick=True)
 
     # the chain: fill (chunk 0 of micro-batch 0 through the stages, each behind its own step-end
@@ -221,15 +219,12 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
                 ready = t_ag
             if k == lo:  # talking before the stage's first kernel (less what may precede the boundary)
                 heads.append(max(0.0, d.step_ag + d.gather_fwd - early[s]))
-            t = max(t, ready) + unit_costs[k].forward_s + (unit_costs[k].after_forward_s if k < hi - 1 else 0.0)
+            t = max(t, ready) + unit_costs[k].forward_s
         first_forward_end = t
-        # the rest of the stage's work, but not the last pass's trailing wait (what follows the
-        # last pass, the send and the reductions, depends on its collectives, not on the wait)
-        ends.append(first_forward_end + work[s] - fwd[s] + unit_costs[hi - 1].after_forward_s
-                    - unit_costs[lo].after_backward_s)
+        ends.append(first_forward_end + work[s] - fwd[s])  # the rest of the stage's work
         if s + 1 < p:
             arrival = first_forward_end + costs.send_s(unit_costs[hi - 1].p2p_bytes, s * block, (s + 1) * block)
-    last_pass = [bwd[s] - unit_costs[spans[s][0]].after_backward_s for s in range(p)]
+    last_pass = [bwd[s] for s in range(p)]
     bodies = [e - last_pass[s] for s, e in enumerate(ends)]  # the last pass (chunk 0's) begins after the rest
     backs = [costs.send_s(unit_costs[spans[s + 1][0]].p2p_bytes, (s + 1) * block, s * block) for s in range(p - 1)]
     starts = _drain(bodies, last_pass, backs, drains)
@@ -252,7 +247,6 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
                 d = dpu[k - lo]
                 at += unit_costs[k].backward_s
                 done = at
-                at += unit_costs[k].after_backward_s  # before the next unit's kernel
                 if d.reduce:
                     t_rs = max(t_rs, done) + d.reduce
                     done = t_rs
@@ -336,7 +330,7 @@ def nd_bound(bounder: BoundCache, cfg: Any, training, refine: bool = False, quic
         }
         talking = max(costs.link_s(demand), stream_sums(schedule, streams))
         non_overlapping = talk[s] + norm + heads[s] + exposed[s]
-        kernels = work[s] - talk[s] - idle[s] + opt_lo[s]
+        kernels = work[s] - talk[s] + opt_lo[s]
         windows.append(slowed(kernels, talking, sd, non_overlapping) - (max_up - opt_lo[s] + early[s]))
     window = max(windows)
     step = max(chain, window, 0.0)
@@ -392,7 +386,7 @@ def _slowed_bodies(bounder: BoundCache, costs: Costs, unit_costs: list[UnitCost]
         dp_group = range(j * block, (j + 1) * block, tp)
         kernels = sum(pre["kernels_s"][b] - pre["kernels_s"][a] for a, b in (spans[c * p + j] for c in range(v)))
         # the body's non-kernel time, at most all passes' (a larger N only lowers the bound)
-        non_kernel = work[j] - m * kernels + unit_costs[spans[j][1] - 1].after_forward_s
+        non_kernel = work[j] - m * kernels
         whole = whole_buffer_s(costs, sum(unit_costs[k].dense_params for c in range(v)
                                            for k in range(*spans[c * p + j])), sizes, dp_group, training, schedule)
         busy: dict[str, float] = {}
@@ -493,9 +487,8 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
     # their units' last backward ends
     reductions_talk = dp_talks and (not impl.host or host_ahead)
     last_vs = p * v - 1
-    # per stage: compute stream (free at t, next kernel waits ``after`` more), its streams
+    # per stage: compute stream (free at t), its streams
     t = list(release)
-    after = [0.0] * p
     t_ag = [-math.inf] * p
     t_rs = [-math.inf] * p
     t_fwd = [-math.inf] * p  # pp_fwd send stream
@@ -568,29 +561,17 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
                         break
                 incoming = sent.pop(key, -math.inf)
                 lo, hi = spans[vs]
-                now, wait = t[s], after[s]
+                now = t[s]
                 order = range(lo, hi) if forward else range(hi - 1, lo - 1, -1)
-                # a pass whose units wait for nothing but each other may run as one merged op
-                # (nd._Stage.merged: its collectives after all its kernels, one straggler wait
-                # after the pass): its units' waits are charged after the pass, not between
-                free = not any(
-                    (dpu[offset[c] + k - lo].gather_fwd or mb == 0) if forward
-                    else (dpu[offset[c] + k - lo].gather_bwd and reshard)
-                    or (dpu[offset[c] + k - lo].reduce and not accumulate)
-                    for k in list(order)[1:])
-                deferred = 0.0
                 first = True
                 for k in order:
                     i = offset[c] + k - lo
                     d, uc = dpu[i], unit_costs[k]
                     if first:
-                        start = max(now + wait, incoming)
+                        start = max(now, incoming)
                         first = False
-                    elif free:
-                        deferred += wait
-                        start = now
                     else:
-                        start = now + wait
+                        start = now
                     gathered = bool(d.gather_fwd and (mb == 0 or not accumulate)) if forward \
                         else bool(d.gather_bwd and reshard)
                     if gathered:
@@ -604,9 +585,9 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
                     if not forward and reduces and len(scatters[s]) >= slots:
                         start = max(start, scatters[s][-slots])
                     if forward:
-                        seconds, kernel, wait = uc.forward_s, uc.forward_kernel_s, uc.after_forward_s
+                        seconds, kernel = uc.forward_s, uc.forward_kernel_s
                     else:
-                        seconds, kernel, wait = uc.backward_s, uc.backward_kernel_s, uc.after_backward_s
+                        seconds, kernel = uc.backward_s, uc.backward_kernel_s
                     if sd and kernel:
                         busy = max(t_rs[s] if rs_talks else -math.inf, gathers_end[s] if dp_talks else -math.inf,
                                    t_dp[s] if reductions_talk else -math.inf, t_fwd[s], t_bwd[s])
@@ -631,7 +612,7 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
                             final[s][i] = done
                             if inline:
                                 reduce(s)
-                t[s], after[s] = now, deferred + wait
+                t[s] = now
                 if forward and vs < last_vs:
                     dst = (s + 1) % p
                     t_fwd[s] = max(t_fwd[s], now) + send_s(s, dst, unit_costs[hi - 1].p2p_bytes)

@@ -14,6 +14,7 @@ from hzpsim.scenario import scenario_from_mapping
 from hzpsim.sim.engine import simulate
 from hzpsim.strategies import _moe, nd
 from hzpsim.strategies._dims import ParallelDims
+from hzpsim.strategies._sharded import Emitter
 
 
 def mixtral(gpus_per_node: int = 8, **strategy):
@@ -366,3 +367,32 @@ def test_unfused_permutation_costs_the_measured_multiples_and_profiles_choose_it
         resolved[impl] = report(sc)["strategy_resolved"]["moe_permute_fusion"]
     assert resolved == {"megatron-core": False, "megatron-bridge": True, "torchtitan": False}
 
+
+
+def test_the_host_waits_for_the_routers_counts_before_each_dispatch(monkeypatch):
+    """Megatron-Core's alltoall dispatcher and torchtitan's both copy the token counts to the
+    host before calling the exchange (``cuda_sync_point``; ``.tolist()``): one host op per MoE
+    layer forward that waits for the router, after the permutation's launch. On a host-bound
+    eager profile (torchtitan, Qwen3-30B-A3B with EP 8 on one node) it makes the step slower:
+    the host can no longer run ahead of the device."""
+    sc = mixtral(pp=1, ep=8)
+    graph = nd.build(sc.strategies[0].config, sc.model, sc.training, sc.topology)
+    ops = {op.id: op for op in graph.ops}
+    syncs = [op for op in graph.ops if op.name.startswith("host.sync.moe_splits")]
+    lane = next(iter(graph.weights))
+    micro_batches = sc.training.global_batch_size // (sc.training.micro_batch_size * 64)  # data-parallel 64
+    steps = sc.training.num_steps
+    assert len([op for op in syncs if op.ranks == (lane,)]) == sc.model.num_layers * micro_batches * steps
+    assert all(any(ops[d].name.startswith("fwd.router") for d in op.deps) for op in syncs)
+
+    qwen = scenario_from_mapping({"model": "qwen3-30b-a3b", "training": {"global_batch_size": 64},
+                                  "cluster": {"preset": "dgx-h100", "num_nodes": 1},
+                                  "strategy": {"name": "nd", "ep": 8, "implementation": "torchtitan"}})
+    synced = report(qwen)["step_time_s"]
+    host = Emitter.host
+
+    def without_the_sync(self, name, seconds, step, sync=()):
+        return None if name.startswith("sync.moe_splits") else host(self, name, seconds, step, sync)
+
+    monkeypatch.setattr(Emitter, "host", without_the_sync)
+    assert synced > 1.02 * report(qwen)["step_time_s"]

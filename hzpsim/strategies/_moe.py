@@ -269,6 +269,16 @@ def emit_forward(ue: Any, unit: Any, label: str, last: Any, deps: Sequence[Any],
     emit, moe, overlap = ue.emit, unit.moe, ue.ep_overlap
     router = emit.compute(f"fwd.router.{label}", "moe_router", moe.router, [last], step)
     permute = emit.compute(f"fwd.permute.{label}", "moe_permute", moe.permute, [router], step)
+    if unit.ep_bytes:
+        # the exchange's split sizes are the router's token counts, copied to the host, which
+        # waits for them before it calls the exchange (Megatron-Core ``moe/token_dispatcher.py::
+        # MoEAlltoAllTokenDispatcher.preprocess``: cuda_sync_point "before_ep_alltoall", then
+        # ``_maybe_dtoh_and_synchronize``; torchtitan ``models/common/token_dispatcher.py::
+        # AllToAllTokenDispatcher._sync_token_count_exchange``: ``splits.tolist()``; the
+        # permutation was launched before it): from here the host is no longer ahead of the
+        # device. The wait itself costs no host time; the launches after it are what the
+        # device may then wait for
+        emit.host(f"sync.moe_splits.{label}", 0.0, step, sync=[router])
     dispatch_kind, combine_kind = unit.ep_kinds
     dispatch = exchange(ue, dispatch_kind, unit, f"ep.dispatch.{label}", "ep_dispatch", [permute], deps, step)
     arrived = permute if overlap else dispatch

@@ -233,3 +233,26 @@ def test_opgraph_json_round_trip_replays_identically():
     again = OpGraph.from_json(graph.to_json())
     assert again.to_json() == graph.to_json()
     assert simulate(again, sc.topology).end_s == simulate(graph, sc.topology).end_s
+
+
+def test_the_garbage_collector_pauses_for_a_replay_and_comes_back_as_it_was():
+    """``gc_paused`` (the engine's replay and the search's evaluations run under it): off inside,
+    back to its previous state after, an exception included; a caller's disabled collector
+    stays disabled."""
+    import gc
+
+    from hzpsim.sim.engine import gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -11,6 +11,7 @@ from hzpsim.model.ops import GraphError
 from hzpsim.run import report_of, resolve
 from hzpsim.scenario import Scenario
 from hzpsim.search.space import Candidate, plugin_of, variant
+from hzpsim.sim.engine import gc_paused
 
 
 def evaluate(scenario: Scenario, candidate: Candidate) -> dict[str, Any]:
@@ -18,6 +19,11 @@ def evaluate(scenario: Scenario, candidate: Candidate) -> dict[str, Any]:
 
     Returns ``{"report": contract}`` or ``{"rejected": reason}`` when its resident model states
     (from the built graph) exceed the device memory, ``{"error": message}`` for a graph error."""
+    with gc_paused():  # the graph and the replay: many objects, no cycles worth looking for
+        return _evaluate(scenario, candidate)
+
+
+def _evaluate(scenario: Scenario, candidate: Candidate) -> dict[str, Any]:
     try:
         sc = variant(scenario, candidate)
         choice = sc.strategies[0]

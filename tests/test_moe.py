@@ -368,7 +368,6 @@ def test_unfused_permutation_costs_the_measured_multiples_and_profiles_choose_it
     assert resolved == {"megatron-core": False, "megatron-bridge": True, "torchtitan": False}
 
 
-
 def test_the_host_waits_for_the_routers_counts_before_each_dispatch(monkeypatch):
     """Megatron-Core's alltoall dispatcher and torchtitan's both copy the token counts to the
     host before calling the exchange (``cuda_sync_point``; ``.tolist()``): one host op per MoE

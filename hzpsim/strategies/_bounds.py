@@ -206,7 +206,6 @@ class UnitCost:
                                    tensors=self.expert_tensors or (self.expert_params,))
 
 
-
 def unit_costs_of(costs: Costs, units: Sequence[MPUnit], deg: ParallelDims, n: int, pp: int,
                   attention_keys: tuple[float, float] | None = None,
                   rendezvous: tuple[int, ...] | None = None) -> list[UnitCost]:

@@ -561,17 +561,12 @@ def _nd_pipeline(costs: Costs, unit_costs: list[UnitCost], spans: list[tuple[int
                         break
                 incoming = sent.pop(key, -math.inf)
                 lo, hi = spans[vs]
-                now = t[s]
+                now = max(t[s], incoming)  # the pass's first unit waits for its input
                 order = range(lo, hi) if forward else range(hi - 1, lo - 1, -1)
-                first = True
                 for k in order:
                     i = offset[c] + k - lo
                     d, uc = dpu[i], unit_costs[k]
-                    if first:
-                        start = max(now, incoming)
-                        first = False
-                    else:
-                        start = now
+                    start = now
                     gathered = bool(d.gather_fwd and (mb == 0 or not accumulate)) if forward \
                         else bool(d.gather_bwd and reshard)
                     if gathered:
